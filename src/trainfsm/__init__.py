@@ -1,0 +1,20 @@
+"""trainfsm: a PyTorch training loop whose control flow is an explicit, audited state machine."""
+
+from trainfsm.hooks import BaseHook
+from trainfsm.machine import STATES, TRANSITIONS
+from trainfsm.trainer import BaseTrainer, LossNoneWarning
+from trainfsm.utils import key_average, map_nested_tensor, unwrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "STATES",
+    "TRANSITIONS",
+    "BaseHook",
+    "BaseTrainer",
+    "LossNoneWarning",
+    "key_average",
+    "map_nested_tensor",
+    "unwrap",
+    "__version__",
+]

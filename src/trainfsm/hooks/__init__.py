@@ -1,0 +1,5 @@
+"""Hooks: one module each."""
+
+from trainfsm.hooks.base import BaseHook
+
+__all__ = ["BaseHook"]

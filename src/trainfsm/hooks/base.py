@@ -1,0 +1,61 @@
+"""``BaseHook``: no-op methods that the trainer binds to its state machine once, at build.
+
+Only the methods a hook overrides are bound, so a hook costs nothing where it does nothing. Besides
+the seed methods below, a hook may define ``on_enter_<state>(trainer)`` / ``on_exit_<state>(trainer)``
+for any state (``on_enter_checkpoint``, ``on_exit_restore``, ...); see ``trainfsm.machine`` for the
+table of what fires where.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainfsm.trainer import BaseTrainer
+
+
+class BaseHook:
+    """Lifecycle hooks for ``BaseTrainer``; override the methods you need."""
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        """Once, after RESTORE: the trainer is built and resumed, before the first step."""
+
+    def on_after_train(self, trainer: BaseTrainer) -> None:
+        """Once, entering EXIT, whatever the exit reason (``trainer.exit_reason``)."""
+
+    def on_before_step(self, trainer: BaseTrainer) -> None:
+        """Entering STEP; ``trainer.step`` is the step about to run (1-based)."""
+
+    def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
+        """After unscale and clip, right before ``optimizer.step()``."""
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        """After the optimizer step; ``trainer.step_info`` holds the step's stats."""
+
+    def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
+        """``trainer.log(records)`` was called."""
+
+    def on_log_images(
+        self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False
+    ) -> None:
+        """``trainer.log_images(records)`` was called."""
+
+    def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+        """Add this hook's resumable state to ``state_dict`` (a checkpoint is being made)."""
+
+    def on_load_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+        """Restore this hook's state from ``state_dict`` (a checkpoint is being loaded)."""
+
+    def wants_checkpoint(self, trainer: BaseTrainer) -> bool:
+        """Asked after each optimizer step: should the machine go through CHECKPOINT now?"""
+        return False
+
+    def wants_stop(self, trainer: BaseTrainer) -> bool:
+        """Asked after each optimizer step: should training stop (exit reason ``stopped``)?"""
+        return False
+
+
+def overrides(hook: BaseHook, name: str) -> bool:
+    """Whether ``hook`` defines ``name`` itself rather than inheriting BaseHook's no-op."""
+    method = getattr(type(hook), name, None)
+    return method is not None and method is not getattr(BaseHook, name, None)

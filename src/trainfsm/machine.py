@@ -1,0 +1,217 @@
+"""The training loop's state machine: states, transitions and hook bindings, as data.
+
+This table is the single source of truth. ``BaseTrainer.train()`` runs it, ``trainfsm diagram``
+draws it, and the audit tooling replays logs against it.
+
+Which hook method fires where (every hook may also define ``on_enter_<state>`` /
+``on_exit_<state>`` for any state, e.g. ``on_enter_checkpoint``):
+
+====================== ==============================================================================
+hook method            fires
+====================== ==============================================================================
+on_before_train        ``restored`` (RESTORE -> STEP), before STEP is entered: once, after resume
+on_before_step         entering STEP, after ``trainer.step`` was advanced to the step being run
+on_before_optimizer_   during ACCUMULATE on a step's last micro-batch: after unscale and clip,
+step                   before ``optimizer.step()``
+on_after_step          ``stepped`` / ``save`` / ``finish`` out of ACCUMULATE: the optimizer step is
+                       applied (or skipped by the fp16 grad scaler), before any checkpoint is written
+on_after_train         entering EXIT, on every way out: completed, failed, preempted, stopped
+on_state_dict          inside ``trainer.state_dict()`` (the checkpoint hook calls it in CHECKPOINT)
+on_load_state_dict     inside ``trainer.load_state_dict()`` (the checkpoint hook calls it in RESTORE)
+on_log, on_log_images  whenever ``trainer.log()`` / ``trainer.log_images()`` is called
+====================== ==============================================================================
+
+Why a compiled event: ``transitions`` resolves callbacks and walks its generic pipeline on every
+trigger (~8-10 µs here), which alone is several percent of a small training step. ``CompiledEvent``
+keeps transitions' semantics and order (prepare -> conditions -> before -> exit -> state change ->
+enter -> after) but resolves each (trigger, source) pair's callbacks once, when ``compile_events``
+is called after all callbacks are registered. It refuses what it does not cover (conditions,
+machine-wide callbacks, string callbacks) rather than silently differing; an invalid trigger still
+goes to transitions, which raises ``MachineError`` naming the trigger and the state. A test checks
+that compiled and uncompiled dispatch give the same callback order for every row of the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Final
+
+from transitions import Machine
+from transitions.core import Event
+
+BUILD: Final = "BUILD"
+RESTORE: Final = "RESTORE"
+STEP: Final = "STEP"
+ACCUMULATE: Final = "ACCUMULATE"
+RETRY: Final = "RETRY"
+CHECKPOINT: Final = "CHECKPOINT"
+EXIT: Final = "EXIT"
+
+STATES: Final[tuple[str, ...]] = (BUILD, RESTORE, STEP, ACCUMULATE, RETRY, CHECKPOINT, EXIT)
+
+#: Every transition the loop may take: (trigger, sources, dest). Sources are listed explicitly:
+#: a ``"*"`` source would also match EXIT, and nothing may leave EXIT.
+TRANSITIONS: Final[tuple[tuple[str, tuple[str, ...], str], ...]] = (
+    ("built", (BUILD,), RESTORE),
+    ("restored", (RESTORE,), STEP),
+    ("micro", (STEP, ACCUMULATE), ACCUMULATE),  # one micro-batch; ACCUMULATE->ACCUMULATE for the next
+    ("non_finite", (ACCUMULATE,), RETRY),  # non-finite gradients, no fp16 scaler to skip the step
+    # Back to ACCUMULATE, not STEP: the step is the same step (``trainer.step`` and
+    # ``on_before_step`` must not fire again), only its micro-batches start over.
+    ("retry", (RETRY,), ACCUMULATE),
+    ("stepped", (ACCUMULATE,), STEP),  # optimizer stepped, nothing to save
+    ("save", (ACCUMULATE,), CHECKPOINT),  # a hook wants a checkpoint after this step
+    ("resume", (CHECKPOINT,), STEP),
+    ("finish", (ACCUMULATE, CHECKPOINT), EXIT),  # last step done, or a stop was requested
+    ("preempt", (BUILD, RESTORE), EXIT),  # exit signal before training began: nothing to save
+    ("fail", (BUILD, RESTORE, STEP, ACCUMULATE, RETRY, CHECKPOINT), EXIT),  # exception, then re-raise
+)
+
+TRIGGERS: Final[tuple[str, ...]] = tuple(trigger for trigger, _, _ in TRANSITIONS)
+
+#: Seed hook methods bound to transitions: method -> (callback list, trigger, source).
+#: ``on_before_step`` and ``on_after_train`` are state entries and are bound as such.
+SEED_TRANSITION_HOOKS: Final[dict[str, tuple[tuple[str, str, str], ...]]] = {
+    "on_before_train": (("before", "restored", RESTORE),),
+    "on_after_step": (
+        ("before", "stepped", ACCUMULATE),
+        ("before", "save", ACCUMULATE),
+        ("before", "finish", ACCUMULATE),
+    ),
+}
+SEED_STATE_HOOKS: Final[dict[str, tuple[str, str]]] = {
+    "on_before_step": ("enter", STEP),
+    "on_after_train": ("enter", EXIT),
+}
+
+
+def transition_rows() -> list[tuple[str, str, str]]:
+    """The table flattened to (trigger, source, dest) rows, in declaration order."""
+    return [(trigger, source, dest) for trigger, sources, dest in TRANSITIONS for source in sources]
+
+
+class CompiledEvent(Event):  # type: ignore[misc]
+    """A transitions ``Event`` whose per-source callback plans are resolved once.
+
+    Until ``compile()`` is called it dispatches through transitions unchanged (the tests compare
+    both). The compiled plan runs, in transitions' order: prepare, before, the source's exit
+    callbacks, the state change, ``announce`` (the audit event, so it lands exactly between the
+    source's callbacks and the destination's), the destination's enter callbacks, after.
+    """
+
+    def __init__(self, name: str, machine: Machine) -> None:
+        super().__init__(name, machine)
+        self._plans: dict[str, Callable[[], bool]] = {}
+
+    def compile(self, model: Any, announce: Callable[[str, str, str], Callable[[], Any]]) -> None:
+        machine = self.machine
+        if (
+            machine.prepare_event
+            or machine.before_state_change
+            or machine.after_state_change
+            or machine.finalize_event
+            or machine.on_exception
+            or machine.send_event
+        ):
+            raise TypeError("CompiledEvent supports machines without machine-wide callbacks")
+        self._plans = {}
+        for source, transitions in self.transitions.items():
+            (transition,) = transitions  # the table has exactly one row per (trigger, source)
+            src, dst = machine.get_state(source), machine.get_state(transition.dest)
+            before = (*transition.prepare, *transition.before, *src.on_exit)
+            after = (announce(self.name, source, transition.dest), *dst.on_enter, *transition.after)
+            if transition.conditions or dst.final:
+                raise TypeError(f"transition {self.name!r} from {source!r} has conditions")
+            if not all(callable(cb) for cb in (*before, *after)):
+                raise TypeError(f"transition {self.name!r} from {source!r} has a non-callable callback")
+            self._plans[source] = partial(
+                _run_plan, model, machine.model_attribute, transition.dest, before, after
+            )
+
+    def trigger(self, model: Any, *args: Any, **kwargs: Any) -> bool:
+        plan = self._plans.get(getattr(model, self.machine.model_attribute))
+        if plan is not None:
+            return plan()
+        return bool(super().trigger(model, *args, **kwargs))
+
+
+def _run_plan(
+    model: Any,
+    attribute: str,
+    dest: str,
+    before: tuple[Callable[[], Any], ...],
+    after: tuple[Callable[[], Any], ...],
+) -> bool:
+    for callback in before:
+        callback()
+    setattr(model, attribute, dest)
+    for callback in after:
+        callback()
+    return True
+
+
+class TrainMachine(Machine):  # type: ignore[misc]
+    """``transitions.Machine`` with compiled events; states are plain strings."""
+
+    event_cls = CompiledEvent
+
+    def compile_events(
+        self, model: Any, announce: Callable[[str, str, str], Callable[[], Any]]
+    ) -> None:
+        """Resolve every trigger's callbacks; call after the last callback is registered.
+
+        ``announce(trigger, source, dest)`` returns the callable that records that transition.
+        """
+        for event in self.events.values():
+            event.compile(model, announce)
+
+
+def build_machine(model: Any, *, machine_cls: type[Machine] = TrainMachine) -> Machine:
+    """Attach the table to ``model`` (the trainer), which must not shadow a trigger name.
+
+    transitions silently keeps a model's own method when it has a trigger's name, which would turn
+    that transition into a call of the user's method; this refuses such a model instead.
+    """
+    clashes = [name for name in (*TRIGGERS, "state") if hasattr(model, name)]
+    if clashes:
+        raise TypeError(
+            f"{type(model).__name__} defines {', '.join(repr(c) for c in clashes)}, which the "
+            f"trainer's state machine needs as trigger or state names; rename "
+            f"{'it' if len(clashes) == 1 else 'them'} (reserved: {', '.join(TRIGGERS)}, state)."
+        )
+    return machine_cls(
+        model=model,
+        states=list(STATES),
+        transitions=[
+            {"trigger": trigger, "source": list(sources), "dest": dest}
+            for trigger, sources, dest in TRANSITIONS
+        ],
+        initial=BUILD,
+        auto_transitions=False,
+        ignore_invalid_triggers=False,
+        model_attribute="state",
+    )
+
+
+def bind(
+    machine: Machine,
+    kind: str,
+    target: str | tuple[str, str],
+    callback: Callable[[], Any],
+) -> None:
+    """Append ``callback`` to a state's enter/exit list or a transition's before/after list."""
+    if kind in ("enter", "exit"):
+        state = machine.get_state(target)
+        (state.on_enter if kind == "enter" else state.on_exit).append(callback)
+        return
+    trigger, source = target
+    (transition,) = machine.events[trigger].transitions[source]
+    getattr(transition, kind).append(callback)
+
+
+def state_hook_names(states: Sequence[str] = STATES) -> list[tuple[str, str, str]]:
+    """(method name, kind, state) for every ``on_enter_<state>`` / ``on_exit_<state>``."""
+    return [
+        (f"on_{kind}_{state.lower()}", kind, state) for state in states for kind in ("enter", "exit")
+    ]

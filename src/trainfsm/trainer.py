@@ -1,0 +1,420 @@
+"""``BaseTrainer``: the machine's model. Each state has one ``_run_<state>`` method that does the
+state's work and returns the trigger to fire next; ``train()`` alternates the two until EXIT.
+
+Hooks, the trainer's own bookkeeping and the audit events are callbacks on the machine, bound once
+in BUILD (see ``trainfsm.machine`` for what fires where).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainfsm import machine as fsm
+from trainfsm import validation as check
+from trainfsm.events import FORMAT_VERSION, EventLog, new_run_id, previous_attempt
+from trainfsm.hooks.base import BaseHook, overrides
+from trainfsm.step import Stepper, close_iterator
+from trainfsm.utils import is_distributed_wrapper, key_average, unwrap
+
+
+class LossNoneWarning(UserWarning):
+    """``forward`` returned ``loss=None`` for a DDP/FSDP model: if the wrapped module's forward ran,
+    its collectives now wait for a backward that never comes on this rank."""
+
+
+class BaseTrainer:
+    """Subclass it, implement ``build_data_loader``, ``build_model``, ``build_optimizer`` and
+    ``forward``, then call ``train()``."""
+
+    def __init__(
+        self,
+        max_steps: int,
+        grad_clip: float | None = None,
+        max_non_finite_grad_retries: int | None = None,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        workspace: Path | str | None = None,
+        device: torch.device | str | int | None = None,
+        no_sync_accumulate: bool = True,
+        state_dict_options: Any = None,
+        logger: Any = None,
+    ) -> None:
+        self.max_steps: int = check.positive_int("max_steps", max_steps)  # type: ignore[assignment]
+        self.grad_clip = check.grad_clip(grad_clip)
+        self.max_non_finite_grad_retries: int = check.positive_int(
+            "max_non_finite_grad_retries", max_non_finite_grad_retries, allow_none=True, minimum=0
+        ) or 0
+        self.mixed_precision = check.mixed_precision(mixed_precision)
+        self.gradient_accumulation_steps: int = check.positive_int(
+            "gradient_accumulation_steps", gradient_accumulation_steps, allow_none=True
+        ) or 1
+        self.workspace = check.workspace(workspace)
+        self.device = check.device(device)
+        self.no_sync_accumulate = check.boolean("no_sync_accumulate", no_sync_accumulate)
+        self.state_dict_options = check.state_dict_options(state_dict_options)
+        self.logger = check.logger(logger)
+
+        # The trainer's own resumable state: the completed step count and the data epoch.
+        self.step = 0
+        self.epoch = 0
+        self.step_info: dict[str, Any] = {}
+        self.exit_reason: str | None = None
+        self.exit_code: int | None = None
+        self.data_loader: Iterable[Any] | None = None
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: Any = None
+        self.grad_scaler: torch.amp.GradScaler | None = None
+        self.hooks: list[BaseHook] = []
+        self._trained = False
+
+    # ---------------------------------------------------------------- the user's contract
+    def build_data_loader(self) -> Iterable[Any]:
+        raise NotImplementedError(f"{type(self).__name__} must implement build_data_loader()")
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        raise NotImplementedError(f"{type(self).__name__} must implement build_optimizer()")
+
+    def build_lr_scheduler(self) -> Any:
+        return None
+
+    def build_grad_scaler(self) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(self.device.type, enabled=self.mixed_precision == "fp16")
+
+    def build_hooks(self) -> list[BaseHook]:
+        return []
+
+    def forward(self, input: Any) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        raise NotImplementedError(f"{type(self).__name__} must implement forward(input)")
+
+    # ---------------------------------------------------------------- driving the machine
+    def train(self) -> None:
+        """Run BUILD -> RESTORE -> steps -> EXIT. Exceptions take ``fail`` to EXIT, then re-raise."""
+        if self._trained:
+            raise RuntimeError("train() was already called on this trainer; build a new trainer to train again.")
+        self._trained = True
+        self._machine = fsm.build_machine(self)
+        self._open_events()
+        runs: dict[str, Callable[[], Callable[[], bool] | None]] = {
+            fsm.BUILD: self._run_build, fsm.RESTORE: self._run_restore, fsm.STEP: self._run_step,
+            fsm.ACCUMULATE: self._run_accumulate, fsm.RETRY: self._run_retry,
+            fsm.CHECKPOINT: self._run_checkpoint, fsm.EXIT: lambda: None,
+        }
+        try:
+            trigger = runs[self.state]()
+            while trigger is not None:
+                trigger()
+                trigger = runs[self.state]()
+            if self._exit_errors:
+                raise self._exit_errors[0]
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._events.close()
+
+    def _open_events(self) -> None:
+        rank, world = _rank_and_world()
+        path = self.workspace / "logs" / f"events.rank{rank}.jsonl" if self.workspace else None
+        previous = previous_attempt(path) if path else None
+        self.run_id, self.attempt = (previous[0], previous[1] + 1) if previous else (new_run_id(), 0)
+        self.rank, self.world_size = rank, world
+        self._events = EventLog(
+            path=path, console=self.logger, rank=rank, run_id=self.run_id, attempt=self.attempt,
+            progress=lambda: (self.step, self.state),
+        )
+        self._log = self._events.log
+        self._exit_errors: list[BaseException] = []
+        self._log.info(
+            "run_start", format=FORMAT_VERSION, world_size=world, max_steps=self.max_steps,
+            versions={"trainfsm": _version(), "torch": torch.__version__, "python": platform.python_version()},
+            config={
+                "grad_clip": self.grad_clip, "max_non_finite_grad_retries": self.max_non_finite_grad_retries,
+                "mixed_precision": self.mixed_precision, "device": str(self.device),
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "workspace": str(self.workspace) if self.workspace else None,
+            },
+        )
+
+    def _fail(self, exc: BaseException) -> None:
+        self._log.error(
+            "exception", type=type(exc).__name__, message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+        if self.state == fsm.EXIT:
+            return
+        self.exit_reason, self.exit_code = "failed", 1
+        try:
+            self.fail()
+        except BaseException as inner:  # EXIT's own work failed: record it, keep the original error
+            self._log.error("exception", type=type(inner).__name__, message=str(inner),
+                            traceback="".join(traceback.format_exception(inner)))
+
+    # ---------------------------------------------------------------- states
+    def _run_build(self) -> Callable[[], bool]:
+        self.data_loader = check.built("build_data_loader", self.build_data_loader(), Iterable)
+        self.model = check.built("build_model", self.build_model(), nn.Module)
+        self.optimizer = check.built("build_optimizer", self.build_optimizer(), torch.optim.Optimizer)
+        self.lr_scheduler = self.build_lr_scheduler()
+        self.grad_scaler = check.built("build_grad_scaler", self.build_grad_scaler(), torch.amp.GradScaler)
+        self.hooks = list(check.built("build_hooks", self.build_hooks(), (list, tuple)))
+        for hook in self.hooks:
+            check.built("build_hooks", hook, BaseHook)
+        model = self.model
+        self._warn_loss_none = is_distributed_wrapper(model)
+        no_sync = getattr(model, "no_sync", None)
+        self._stepper = Stepper(
+            model=model, optimizer=self.optimizer, scheduler=self.lr_scheduler, scaler=self.grad_scaler,
+            device=self.device, mixed_precision=self.mixed_precision,
+            accumulation=self.gradient_accumulation_steps, grad_clip=self.grad_clip,
+            no_sync=no_sync if self.no_sync_accumulate and self.gradient_accumulation_steps > 1 else None,
+        )
+        self._data_iter: Iterator[Any] | None = None
+        self._bind_callbacks()
+        return self.built  # type: ignore[attr-defined,no-any-return]
+
+    def _bind_callbacks(self) -> None:
+        """Bind the trainer's bookkeeping first, then each hook's overridden methods, in list order."""
+        m = self._machine
+        fsm.bind(m, "enter", fsm.STEP, self._begin_step)
+        self._before_optimizer_step = [partial(h.on_before_optimizer_step, self) for h in self.hooks
+                                       if overrides(h, "on_before_optimizer_step")]
+        self._checkpoint_askers = [partial(h.wants_checkpoint, self) for h in self.hooks if overrides(h, "wants_checkpoint")]
+        self._stop_askers = [partial(h.wants_stop, self) for h in self.hooks if overrides(h, "wants_stop")]
+        for hook in self.hooks:
+            for name, bindings in fsm.SEED_TRANSITION_HOOKS.items():
+                if overrides(hook, name):
+                    for kind, trigger, source in bindings:
+                        fsm.bind(m, kind, (trigger, source), partial(getattr(hook, name), self))
+            for name, (kind, state) in fsm.SEED_STATE_HOOKS.items():
+                if overrides(hook, name):
+                    callback = partial(getattr(hook, name), self)
+                    fsm.bind(m, kind, state, partial(self._guarded, callback) if state == fsm.EXIT else callback)
+            for name, kind, state in fsm.state_hook_names():
+                method = getattr(hook, name, None)
+                if method is not None:
+                    fsm.bind(m, kind, state, partial(self._guarded, partial(method, self))
+                             if state == fsm.EXIT else partial(method, self))
+        fsm.bind(m, "enter", fsm.EXIT, self._finish_exit)
+        debug = self._log.debug
+        m.compile_events(self, lambda trigger, source, dest: partial(
+            debug, "transition", trigger=trigger, source=source, dest=dest))
+
+    def _run_restore(self) -> Callable[[], bool]:
+        # Hooks (the checkpoint hook) restored state in on_enter_restore; RNG states are back
+        # before the iterator exists, so a shuffling loader draws the same order it drew before.
+        resumed = self.step > 0
+        self._log.info("restore", resumed=resumed, from_step=self.step)
+        self._data_iter = self._new_iterator()
+        return self.restored  # type: ignore[attr-defined,no-any-return]
+
+    def _begin_step(self) -> None:
+        self.step += 1
+        self.step_info = {}
+        self._micro = 0
+        self._retries = 0
+        self._loss: torch.Tensor | None = None
+        self._records: list[Any] = []
+        self._data_time = 0.0
+        self._step_start = time.perf_counter()
+
+    def _run_step(self) -> Callable[[], bool]:
+        return self.micro  # type: ignore[attr-defined,no-any-return]
+
+    def _run_accumulate(self) -> Callable[[], bool]:
+        t0 = time.perf_counter()
+        batch = self._next_batch()
+        self._data_time += time.perf_counter() - t0
+        last = self._micro + 1 == self.gradient_accumulation_steps
+        loss, records = self._stepper.micro(self.forward, batch, last)
+        if loss is None:
+            if self._warn_loss_none:
+                warnings.warn(
+                    "forward() returned loss=None for a DDP/FSDP model; the micro-batch is skipped. "
+                    "Do not call the wrapped module's forward when you return None.",
+                    LossNoneWarning, stacklevel=2,
+                )
+            self._log.debug("loss_none", micro=self._micro)
+            return self.micro  # type: ignore[attr-defined,no-any-return]
+        self._micro += 1
+        self._loss = loss if self._loss is None else self._loss + loss
+        self._records.append(records)
+        if not last:
+            return self.micro  # type: ignore[attr-defined,no-any-return]
+        stepper = self._stepper
+        finite, grad_norm = stepper.check_and_clip()
+        if not finite and not stepper.scaler_enabled:
+            return self.non_finite  # type: ignore[attr-defined,no-any-return]
+        if not finite:
+            self._log.warning("non_finite", what="scaler_skip", retry=0, max=0,
+                              scale=self.grad_scaler.get_scale() if self.grad_scaler else None)
+        info = self.step_info
+        if grad_norm is not None:
+            info["grad_norm"] = grad_norm
+        for callback in self._before_optimizer_step:
+            callback()
+        stepper.apply(finite)
+        accumulation = self.gradient_accumulation_steps
+        info["loss"] = self._loss / accumulation if accumulation > 1 else self._loss
+        info["records"] = key_average(self._records) if accumulation > 1 else self._records[0]
+        info["data_time"] = self._data_time
+        info["step_time"] = time.perf_counter() - self._step_start
+        info["non_finite_grad_retries"] = self._retries
+        return self._after_step()
+
+    def _after_step(self) -> Callable[[], bool]:
+        stop = any(ask() for ask in self._stop_askers) if self._stop_askers else False
+        if stop or self.step >= self.max_steps:
+            self.exit_reason, self.exit_code = ("stopped" if stop else "completed"), 0
+        if self._checkpoint_askers and any(ask() for ask in self._checkpoint_askers):
+            return self.save  # type: ignore[attr-defined,no-any-return]
+        return self.finish if self.exit_reason else self.stepped  # type: ignore[attr-defined,no-any-return]
+
+    def _run_retry(self) -> Callable[[], bool]:
+        self._stepper.discard()
+        limit = self.max_non_finite_grad_retries
+        if self._retries >= limit:
+            if limit == 0:
+                raise RuntimeError(
+                    f"Step {self.step}: gradients are non-finite and retries are disabled "
+                    f"(max_non_finite_grad_retries={limit}); set it to a positive integer to re-run "
+                    f"the step on fresh micro-batches, or enable mixed_precision='fp16' with a grad scaler."
+                )
+            raise RuntimeError(
+                f"Step {self.step}: gradients were non-finite on {self._retries + 1} attempts "
+                f"({self._retries} retries, max_non_finite_grad_retries={limit}); stopping instead of "
+                f"stepping non-finite values into the weights. Lower the learning rate, set grad_clip, "
+                f"or check the data."
+            )
+        self._retries += 1
+        self._log.warning("non_finite", what="gradients", retry=self._retries, max=limit)
+        self._micro = 0
+        self._loss = None
+        self._records = []
+        return self.retry  # type: ignore[attr-defined,no-any-return]
+
+    def _run_checkpoint(self) -> Callable[[], bool]:
+        # The checkpoint hook saved in on_enter_checkpoint; leave for good or for the next step.
+        return self.finish if self.exit_reason else self.resume  # type: ignore[attr-defined,no-any-return]
+
+    def _finish_exit(self) -> None:
+        iterator, self._data_iter = getattr(self, "_data_iter", None), None
+        close_iterator(iterator)
+        if self.exit_reason is None:  # entered EXIT without a reason: only `fail` sets none first
+            self.exit_reason, self.exit_code = "failed", 1
+        self._log.info("exit", reason=self.exit_reason, code=self.exit_code)
+
+    def _guarded(self, callback: Callable[[], Any]) -> None:
+        """Run an EXIT callback; a failure is recorded and raised after EXIT's work is done."""
+        try:
+            callback()
+        except Exception as exc:
+            self._log.error("exception", type=type(exc).__name__, message=str(exc),
+                            traceback="".join(traceback.format_exception(exc)))
+            self._exit_errors.append(exc)
+
+    # ---------------------------------------------------------------- data
+    def _new_iterator(self) -> Iterator[Any]:
+        loader = self.data_loader
+        for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+            set_epoch = getattr(owner, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
+                break
+        return iter(loader)  # type: ignore[arg-type]
+
+    def _next_batch(self) -> Any:
+        try:
+            return next(self._data_iter)  # type: ignore[arg-type]
+        except StopIteration:
+            pass
+        close_iterator(self._data_iter)
+        self.epoch += 1
+        self._log.info("epoch", epoch=self.epoch)
+        self._data_iter = self._new_iterator()
+        try:
+            return next(self._data_iter)
+        except StopIteration:
+            raise RuntimeError(
+                "build_data_loader() returned an iterable that yields no batches when iterated again "
+                f"(epoch {self.epoch}). Return a re-iterable such as a DataLoader or list, not a "
+                "one-shot iterator or generator object, or make the iterable infinite."
+            ) from None
+
+    # ---------------------------------------------------------------- state and helpers
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, scheduler, scaler, step, epoch, and each hook's ``on_state_dict``."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.state_dict_options)
+        state: dict[str, Any] = {
+            "model": model_state, "optimizer": optim_state,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "step": self.step, "epoch": self.epoch,
+        }
+        for hook in self.hooks:
+            hook.on_state_dict(self, state)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        # The scheduler before the optimizer: a scheduler's load may write its view of the
+        # learning rates into the param groups, and the optimizer's saved groups (lr,
+        # initial_lr) must be the last word, or a resumed run trains at the wrong rate.
+        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=self.state_dict_options)
+        if self.grad_scaler is not None and state.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        self.step = int(state["step"])
+        self.epoch = int(state.get("epoch", 0))
+        for hook in self.hooks:
+            hook.on_load_state_dict(self, state)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return unwrap(model)
+
+    @property
+    def unwrapped_model(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("unwrapped_model is available once build_model() ran (after train() starts).")
+        return unwrap(self.model)
+
+    def log(self, records: dict[str, Any], dry_run: bool = False) -> None:
+        for hook in self.hooks:
+            hook.on_log(self, records, dry_run)
+
+    def log_images(self, records: dict[str, Any], dry_run: bool = False) -> None:
+        for hook in self.hooks:
+            hook.on_log_images(self, records, dry_run)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _version() -> str:
+    from trainfsm import __version__
+
+    return __version__
+

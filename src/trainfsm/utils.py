@@ -1,0 +1,103 @@
+"""Small helpers that are part of the public contract: ``map_nested_tensor``, ``key_average``,
+``unwrap``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def map_nested_tensor(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """Apply ``f`` to every tensor in nested dicts, lists, tuples and named tuples.
+
+    Containers keep their type (a ``defaultdict`` stays one, a named tuple keeps its fields);
+    anything that is neither a tensor nor a container is returned as is.
+    """
+    if isinstance(obj, torch.Tensor):
+        return f(obj)
+    if isinstance(obj, Mapping):
+        mapped = {key: map_nested_tensor(f, value) for key, value in obj.items()}
+        try:
+            out = type(obj)()  # type: ignore[call-arg]
+            out.update(mapped)
+            return out
+        except TypeError:  # a mapping type that cannot be built empty
+            return mapped
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_nested_tensor(f, value) for value in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_nested_tensor(f, value) for value in obj)
+    return obj
+
+
+def key_average(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Average each leaf over the dicts that have it: nested dicts are averaged key by key.
+
+    >>> key_average([{"loss": 1.0, "m": {"acc": 0.5}}, {"loss": 3.0, "m": {"acc": 1.0}}])
+    {'loss': 2.0, 'm': {'acc': 0.75}}
+
+    Tensors are averaged as tensors (no host sync); a key missing from some dicts is averaged
+    over the dicts that have it.
+    """
+    sums: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    nested: dict[str, list[Mapping[str, Any]]] = {}
+    for record in records:
+        for key, value in record.items():
+            if isinstance(value, Mapping):
+                nested.setdefault(key, []).append(value)
+            elif key in sums:
+                sums[key] = sums[key] + value
+                counts[key] += 1
+            else:
+                sums[key] = value
+                counts[key] = 1
+    out: dict[str, Any] = {key: sums[key] / counts[key] for key in sums}
+    for key, values in nested.items():
+        out[key] = key_average(values)
+    return out
+
+
+def _wrapper_types() -> tuple[type, ...]:
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+    from torch.optim.swa_utils import AveragedModel
+
+    types: list[type] = [DataParallel, DistributedDataParallel, AveragedModel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        types.append(FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        pass
+    return tuple(types)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under ``torch.compile``, DDP, DataParallel, FSDP and ``AveragedModel``."""
+    wrappers = _wrapper_types()
+    while True:
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, wrappers):
+            model = model.module
+        else:
+            return model
+
+
+def is_distributed_wrapper(model: nn.Module) -> bool:
+    """True for DDP and FSDP (wrapper or ``fully_shard``) models: their forward takes part in
+    collectives, so skipping it on one rank (``loss=None``) needs care."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    if isinstance(model, DistributedDataParallel):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, (FullyShardedDataParallel, FSDPModule))

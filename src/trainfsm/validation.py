@@ -1,0 +1,105 @@
+"""Constructor argument checks: each error names the argument, the value and what is allowed."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainfsm.step import MIXED_PRECISION_DTYPES
+
+
+def positive_int(name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        allowed = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise TypeError(f"{name} must be {allowed}; got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        allowed = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name} must be {allowed}; got {value!r}.")
+    return value
+
+
+def grad_clip(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"grad_clip must be a positive float or None; got {value!r} ({type(value).__name__}).")
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(
+            f"grad_clip must be a positive finite float (the max total gradient norm) or None "
+            f"to disable clipping; got {value!r}."
+        )
+    return float(value)
+
+
+def mixed_precision(value: Any) -> str | None:
+    if value not in MIXED_PRECISION_DTYPES:
+        raise ValueError(
+            f"mixed_precision must be one of 'fp16', 'bf16' or None; got {value!r}."
+        )
+    return value  # type: ignore[no-any-return]
+
+
+def workspace(value: Any) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"workspace must be a str, a path or None; got {value!r} ({type(value).__name__}).")
+    if str(value) == "":
+        raise ValueError("workspace must not be an empty string; pass None to write no files.")
+    return Path(value)
+
+
+def device(value: Any) -> torch.device:
+    if value is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):
+        raise TypeError(f"device must be a torch.device, str, int or None; got {value!r} ({type(value).__name__}).")
+    try:
+        return torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"device {value!r} is not a valid torch device ({exc}); use e.g. 'cpu', 'cuda', 'cuda:1' or 0.") from None
+
+
+def boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r} ({type(value).__name__}).")
+    return value
+
+
+def state_dict_options(value: Any) -> Any:
+    if value is None:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if not isinstance(value, StateDictOptions):
+        raise TypeError(
+            f"state_dict_options must be a torch.distributed.checkpoint.state_dict.StateDictOptions "
+            f"or None; got {value!r} ({type(value).__name__})."
+        )
+    return value
+
+
+def logger(value: Any) -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
+    if value is None:
+        return logging.getLogger("trainfsm")
+    if not isinstance(value, (logging.Logger, logging.LoggerAdapter)):
+        raise TypeError(f"logger must be a logging.Logger or None; got {value!r} ({type(value).__name__}).")
+    return value
+
+
+def built(method: str, value: Any, expected: type | tuple[type, ...], allow_none: bool = False) -> Any:
+    """A build method's result: never None unless optional, and of the expected type."""
+    if value is None and allow_none:
+        return None
+    if value is None:
+        raise TypeError(f"{method}() returned None; it must return the built object (did you forget `return`?).")
+    if not isinstance(value, expected):
+        names = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
+        raise TypeError(f"{method}() must return a {names}; got {type(value).__name__}.")
+    return value
