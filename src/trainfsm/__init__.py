@@ -13,8 +13,8 @@ __all__ = [
     "BaseHook",
     "BaseTrainer",
     "LossNoneWarning",
+    "__version__",
     "key_average",
     "map_nested_tensor",
     "unwrap",
-    "__version__",
 ]

@@ -9,6 +9,7 @@ a step does no lookups and no host syncs beyond the one finite check.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,11 +30,18 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class FiniteCheck:
-    """Whether all gradients are finite, in one fused pass per (device, dtype).
+    """Whether every gradient is finite: one read of each gradient, one host read of the result.
 
-    It reuses the fused kernel ``GradScaler`` runs for fp16 (``_amp_foreach_non_finite_check_
-    and_unscale_``) with an inverse scale of exactly 1.0, which leaves gradients bit-identical. An
-    infinity-norm over the gradients finds the same thing but costs ~20x more on CPU.
+    On CPU, each gradient is summed (a read-only pass; NaN and infinities propagate into the sum)
+    and the sums are added on the host. Measured in situ on the small benchmark model this costs
+    ~22 µs a step, against ~29 µs for the fused kernel below (which also writes every gradient)
+    and ~44 µs for a 2-norm (an infinity-norm, as in the `trainloop` package, costs ~330 µs). A
+    gradient whose elements sum past the float range (~3.4e38) counts as non-finite too; stepping
+    it would be just as wrong. Low-precision gradients are summed in float32 for that reason.
+
+    On accelerators, per-tensor host reads would each be a sync, so the gradients go through the
+    fused kernel ``GradScaler`` uses for fp16 (``_amp_foreach_non_finite_check_and_unscale_``) with
+    an inverse scale of exactly 1.0, which leaves them bit-identical, and the flag is read once.
     """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
@@ -41,26 +49,35 @@ class FiniteCheck:
         for param in params:
             local = _local(param)
             groups.setdefault((local.device, local.dtype), []).append(param)
-        self._groups = [
-            (group, torch.zeros(1, device=device), torch.ones(1, device=device))
-            for (device, _), group in groups.items()
-        ]
         self._sharded = any(_local(param) is not param for param in params)
-
-    def found_non_finite(self) -> torch.Tensor | None:
-        """A tensor > 0 when some gradient is non-finite (no host sync); None without gradients."""
-        total: torch.Tensor | None = None
-        for params, found, one in self._groups:
-            if self._sharded:
-                grads = [_local(p.grad) for p in params if p.grad is not None]
+        self._cpu: list[tuple[list[nn.Parameter], torch.dtype | None]] = []
+        self._fused: list[tuple[list[nn.Parameter], torch.Tensor, torch.Tensor]] = []
+        for (device, dtype), group in groups.items():
+            if device.type == "cpu":
+                self._cpu.append((group, torch.float32 if dtype in (torch.float16, torch.bfloat16) else None))
             else:
-                grads = [p.grad for p in params if p.grad is not None]
-            if not grads:
-                continue
-            found.zero_()
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-            total = found if total is None else total + found.to(total.device)
-        return total
+                self._fused.append((group, torch.zeros(1, device=device), torch.ones(1, device=device)))
+
+    def _grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        if self._sharded:
+            return [_local(p.grad) for p in params if p.grad is not None]
+        return [p.grad for p in params if p.grad is not None]
+
+    def __call__(self) -> bool:
+        """True when some gradient is non-finite. Reads results on the host: a sync."""
+        total = 0.0
+        for params, dtype in self._cpu:
+            for grad in self._grads(params):
+                total += (grad.sum() if dtype is None else grad.sum(dtype=dtype)).item()
+        for params, found, one in self._fused:
+            grads = self._grads(params)
+            if grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        for _, found, _ in self._fused:
+            if found.item():  # host sync; reset only after it was set, so a clean step skips it
+                found.zero_()
+                total = math.inf
+        return not math.isfinite(total)
 
 
 class Stepper:
@@ -111,19 +128,24 @@ class Stepper:
         over the step's micro-batches. ``no_sync`` wraps forward and backward of every micro-batch
         but the last, so DDP all-reduces once per step.
         """
-        with self.no_sync() if self.no_sync is not None and not last else contextlib.nullcontext():
-            if self.autocast is not None:
-                with self.autocast:
-                    out = forward(batch)
-            else:
+        if self.no_sync is not None and not last:
+            with self.no_sync():
+                return self._forward_backward(forward, batch)
+        return self._forward_backward(forward, batch)
+
+    def _forward_backward(self, forward: Callable[[Any], Any], batch: Any) -> tuple[torch.Tensor | None, Any]:
+        if self.autocast is not None:
+            with self.autocast:  # backward runs outside autocast, as PyTorch recommends
                 out = forward(batch)
-            loss, records = _check_forward_result(out)
-            if loss is None:
-                return None, records
-            scaled = loss * self.inv_accumulation if self.accumulation != 1 else loss
-            if self.scaler_enabled:
-                scaled = self.scaler.scale(scaled)
-            scaled.backward()
+        else:
+            out = forward(batch)
+        loss, records = _check_forward_result(out)
+        if loss is None:
+            return None, records
+        scaled = loss * self.inv_accumulation if self.accumulation != 1 else loss
+        if self.scaler_enabled:
+            scaled = self.scaler.scale(scaled)
+        scaled.backward()
         return loss.detach(), records
 
     def check_and_clip(self) -> tuple[bool, torch.Tensor | None]:
@@ -139,8 +161,7 @@ class Stepper:
         if self.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
             return bool(torch.isfinite(norm)), norm  # host sync, see above
-        found = self.finite.found_non_finite()
-        return found is None or not bool(found), None  # host sync, see above
+        return not self.finite(), None
 
     def apply(self, finite: bool) -> bool:
         """Optimizer step, scaler update, zero grads, scheduler step; True if the step applied.

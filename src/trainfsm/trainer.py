@@ -209,9 +209,7 @@ class BaseTrainer:
                     fsm.bind(m, kind, state, partial(self._guarded, partial(method, self))
                              if state == fsm.EXIT else partial(method, self))
         fsm.bind(m, "enter", fsm.EXIT, self._finish_exit)
-        debug = self._log.debug
-        m.compile_events(self, lambda trigger, source, dest: partial(
-            debug, "transition", trigger=trigger, source=source, dest=dest))
+        m.compile_events(self, self._events.transition_recorder)
 
     def _run_restore(self) -> Callable[[], bool]:
         # Hooks (the checkpoint hook) restored state in on_enter_restore; RNG states are back
