@@ -193,8 +193,9 @@ class EventLog:
 def render_console(event: MutableMapping[str, Any]) -> str:
     """One readable line: ``[rank 0] step 12 STEP checkpoint_saved path=... bytes=...``."""
     fields = " ".join(
-        f"{key}={value}" for key, value in event.items() if key not in _CONSOLE_FIELDS_SKIPPED
-        and key not in ("step", "state")
+        f"{key}={value}"
+        for key, value in event.items()
+        if key not in _CONSOLE_FIELDS_SKIPPED and key not in ("step", "state")
     )
     head = f"[rank {event.get('rank', 0)}] step {event.get('step')} {event.get('state')} {event['event']}"
     return f"{head} {fields}" if fields else head

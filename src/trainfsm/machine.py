@@ -125,9 +125,7 @@ class CompiledEvent(Event):  # type: ignore[misc]
                 raise TypeError(f"transition {self.name!r} from {source!r} has conditions")
             if not all(callable(cb) for cb in (*before, *after)):
                 raise TypeError(f"transition {self.name!r} from {source!r} has a non-callable callback")
-            self._plans[source] = partial(
-                _run_plan, model, machine.model_attribute, transition.dest, before, after
-            )
+            self._plans[source] = partial(_run_plan, model, machine.model_attribute, transition.dest, before, after)
 
     def trigger(self, model: Any, *args: Any, **kwargs: Any) -> bool:
         plan = self._plans.get(getattr(model, self.machine.model_attribute))
@@ -156,9 +154,7 @@ class TrainMachine(Machine):  # type: ignore[misc]
 
     event_cls = CompiledEvent
 
-    def compile_events(
-        self, model: Any, announce: Callable[[str, str, str], Callable[[], Any]]
-    ) -> None:
+    def compile_events(self, model: Any, announce: Callable[[str, str, str], Callable[[], Any]]) -> None:
         """Resolve every trigger's callbacks; call after the last callback is registered.
 
         ``announce(trigger, source, dest)`` returns the callable that records that transition.
@@ -184,8 +180,7 @@ def build_machine(model: Any, *, machine_cls: type[Machine] = TrainMachine) -> M
         model=model,
         states=list(STATES),
         transitions=[
-            {"trigger": trigger, "source": list(sources), "dest": dest}
-            for trigger, sources, dest in TRANSITIONS
+            {"trigger": trigger, "source": list(sources), "dest": dest} for trigger, sources, dest in TRANSITIONS
         ],
         initial=BUILD,
         auto_transitions=False,
@@ -212,6 +207,4 @@ def bind(
 
 def state_hook_names(states: Sequence[str] = STATES) -> list[tuple[str, str, str]]:
     """(method name, kind, state) for every ``on_enter_<state>`` / ``on_exit_<state>``."""
-    return [
-        (f"on_{kind}_{state.lower()}", kind, state) for state in states for kind in ("enter", "exit")
-    ]
+    return [(f"on_{kind}_{state.lower()}", kind, state) for state in states for kind in ("enter", "exit")]

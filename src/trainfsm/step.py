@@ -106,9 +106,7 @@ class Stepper:
         self.no_sync = no_sync
         dtype = MIXED_PRECISION_DTYPES[mixed_precision]
         # One autocast object, re-entered every micro-batch: building one costs a few µs.
-        self.autocast = (
-            torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else None
-        )
+        self.autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else None
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
         for group in optimizer.param_groups:
@@ -119,9 +117,7 @@ class Stepper:
         self.finite = FiniteCheck(self.params)
         del model  # the step only needs the optimizer's parameters; forward is the trainer's
 
-    def micro(
-        self, forward: Callable[[Any], Any], batch: Any, last: bool
-    ) -> tuple[torch.Tensor | None, Any]:
+    def micro(self, forward: Callable[[Any], Any], batch: Any, last: bool) -> tuple[torch.Tensor | None, Any]:
         """Forward and backward of one micro-batch; returns (unscaled loss, records) detached.
 
         The loss is divided by the accumulation count so the accumulated gradient is the mean

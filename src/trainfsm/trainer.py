@@ -51,13 +51,14 @@ class BaseTrainer:
     ) -> None:
         self.max_steps: int = check.positive_int("max_steps", max_steps)  # type: ignore[assignment]
         self.grad_clip = check.grad_clip(grad_clip)
-        self.max_non_finite_grad_retries: int = check.positive_int(
-            "max_non_finite_grad_retries", max_non_finite_grad_retries, allow_none=True, minimum=0
-        ) or 0
+        self.max_non_finite_grad_retries: int = (
+            check.positive_int("max_non_finite_grad_retries", max_non_finite_grad_retries, allow_none=True, minimum=0)
+            or 0
+        )
         self.mixed_precision = check.mixed_precision(mixed_precision)
-        self.gradient_accumulation_steps: int = check.positive_int(
-            "gradient_accumulation_steps", gradient_accumulation_steps, allow_none=True
-        ) or 1
+        self.gradient_accumulation_steps: int = (
+            check.positive_int("gradient_accumulation_steps", gradient_accumulation_steps, allow_none=True) or 1
+        )
         self.workspace = check.workspace(workspace)
         self.device = check.device(device)
         self.no_sync_accumulate = check.boolean("no_sync_accumulate", no_sync_accumulate)
@@ -109,9 +110,13 @@ class BaseTrainer:
         self._machine = fsm.build_machine(self)
         self._open_events()
         runs: dict[str, Callable[[], Callable[[], bool] | None]] = {
-            fsm.BUILD: self._run_build, fsm.RESTORE: self._run_restore, fsm.STEP: self._run_step,
-            fsm.ACCUMULATE: self._run_accumulate, fsm.RETRY: self._run_retry,
-            fsm.CHECKPOINT: self._run_checkpoint, fsm.EXIT: lambda: None,
+            fsm.BUILD: self._run_build,
+            fsm.RESTORE: self._run_restore,
+            fsm.STEP: self._run_step,
+            fsm.ACCUMULATE: self._run_accumulate,
+            fsm.RETRY: self._run_retry,
+            fsm.CHECKPOINT: self._run_checkpoint,
+            fsm.EXIT: lambda: None,
         }
         try:
             trigger = runs[self.state]()
@@ -133,17 +138,26 @@ class BaseTrainer:
         self.run_id, self.attempt = (previous[0], previous[1] + 1) if previous else (new_run_id(), 0)
         self.rank, self.world_size = rank, world
         self._events = EventLog(
-            path=path, console=self.logger, rank=rank, run_id=self.run_id, attempt=self.attempt,
+            path=path,
+            console=self.logger,
+            rank=rank,
+            run_id=self.run_id,
+            attempt=self.attempt,
             progress=lambda: (self.step, self.state),
         )
         self._log = self._events.log
         self._exit_errors: list[BaseException] = []
         self._log.info(
-            "run_start", format=FORMAT_VERSION, world_size=world, max_steps=self.max_steps,
+            "run_start",
+            format=FORMAT_VERSION,
+            world_size=world,
+            max_steps=self.max_steps,
             versions={"trainfsm": _version(), "torch": torch.__version__, "python": platform.python_version()},
             config={
-                "grad_clip": self.grad_clip, "max_non_finite_grad_retries": self.max_non_finite_grad_retries,
-                "mixed_precision": self.mixed_precision, "device": str(self.device),
+                "grad_clip": self.grad_clip,
+                "max_non_finite_grad_retries": self.max_non_finite_grad_retries,
+                "mixed_precision": self.mixed_precision,
+                "device": str(self.device),
                 "gradient_accumulation_steps": self.gradient_accumulation_steps,
                 "workspace": str(self.workspace) if self.workspace else None,
             },
@@ -151,7 +165,9 @@ class BaseTrainer:
 
     def _fail(self, exc: BaseException) -> None:
         self._log.error(
-            "exception", type=type(exc).__name__, message=str(exc),
+            "exception",
+            type=type(exc).__name__,
+            message=str(exc),
             traceback="".join(traceback.format_exception(exc)),
         )
         if self.state == fsm.EXIT:
@@ -160,8 +176,12 @@ class BaseTrainer:
         try:
             self.fail()
         except BaseException as inner:  # EXIT's own work failed: record it, keep the original error
-            self._log.error("exception", type=type(inner).__name__, message=str(inner),
-                            traceback="".join(traceback.format_exception(inner)))
+            self._log.error(
+                "exception",
+                type=type(inner).__name__,
+                message=str(inner),
+                traceback="".join(traceback.format_exception(inner)),
+            )
 
     # ---------------------------------------------------------------- states
     def _run_build(self) -> Callable[[], bool]:
@@ -177,9 +197,14 @@ class BaseTrainer:
         self._warn_loss_none = is_distributed_wrapper(model)
         no_sync = getattr(model, "no_sync", None)
         self._stepper = Stepper(
-            model=model, optimizer=self.optimizer, scheduler=self.lr_scheduler, scaler=self.grad_scaler,
-            device=self.device, mixed_precision=self.mixed_precision,
-            accumulation=self.gradient_accumulation_steps, grad_clip=self.grad_clip,
+            model=model,
+            optimizer=self.optimizer,
+            scheduler=self.lr_scheduler,
+            scaler=self.grad_scaler,
+            device=self.device,
+            mixed_precision=self.mixed_precision,
+            accumulation=self.gradient_accumulation_steps,
+            grad_clip=self.grad_clip,
             no_sync=no_sync if self.no_sync_accumulate and self.gradient_accumulation_steps > 1 else None,
         )
         self._data_iter: Iterator[Any] | None = None
@@ -190,9 +215,12 @@ class BaseTrainer:
         """Bind the trainer's bookkeeping first, then each hook's overridden methods, in list order."""
         m = self._machine
         fsm.bind(m, "enter", fsm.STEP, self._begin_step)
-        self._before_optimizer_step = [partial(h.on_before_optimizer_step, self) for h in self.hooks
-                                       if overrides(h, "on_before_optimizer_step")]
-        self._checkpoint_askers = [partial(h.wants_checkpoint, self) for h in self.hooks if overrides(h, "wants_checkpoint")]
+        self._before_optimizer_step = [
+            partial(h.on_before_optimizer_step, self) for h in self.hooks if overrides(h, "on_before_optimizer_step")
+        ]
+        self._checkpoint_askers = [
+            partial(h.wants_checkpoint, self) for h in self.hooks if overrides(h, "wants_checkpoint")
+        ]
         self._stop_askers = [partial(h.wants_stop, self) for h in self.hooks if overrides(h, "wants_stop")]
         for hook in self.hooks:
             for name, bindings in fsm.SEED_TRANSITION_HOOKS.items():
@@ -206,8 +234,12 @@ class BaseTrainer:
             for name, kind, state in fsm.state_hook_names():
                 method = getattr(hook, name, None)
                 if method is not None:
-                    fsm.bind(m, kind, state, partial(self._guarded, partial(method, self))
-                             if state == fsm.EXIT else partial(method, self))
+                    fsm.bind(
+                        m,
+                        kind,
+                        state,
+                        partial(self._guarded, partial(method, self)) if state == fsm.EXIT else partial(method, self),
+                    )
         fsm.bind(m, "enter", fsm.EXIT, self._finish_exit)
         m.compile_events(self, self._events.transition_recorder)
 
@@ -243,7 +275,8 @@ class BaseTrainer:
                 warnings.warn(
                     "forward() returned loss=None for a DDP/FSDP model; the micro-batch is skipped. "
                     "Do not call the wrapped module's forward when you return None.",
-                    LossNoneWarning, stacklevel=2,
+                    LossNoneWarning,
+                    stacklevel=2,
                 )
             self._log.debug("loss_none", micro=self._micro)
             return self.micro  # type: ignore[attr-defined,no-any-return]
@@ -257,8 +290,13 @@ class BaseTrainer:
         if not finite and not stepper.scaler_enabled:
             return self.non_finite  # type: ignore[attr-defined,no-any-return]
         if not finite:
-            self._log.warning("non_finite", what="scaler_skip", retry=0, max=0,
-                              scale=self.grad_scaler.get_scale() if self.grad_scaler else None)
+            self._log.warning(
+                "non_finite",
+                what="scaler_skip",
+                retry=0,
+                max=0,
+                scale=self.grad_scaler.get_scale() if self.grad_scaler else None,
+            )
         info = self.step_info
         if grad_norm is not None:
             info["grad_norm"] = grad_norm
@@ -320,8 +358,12 @@ class BaseTrainer:
         try:
             callback()
         except Exception as exc:
-            self._log.error("exception", type=type(exc).__name__, message=str(exc),
-                            traceback="".join(traceback.format_exception(exc)))
+            self._log.error(
+                "exception",
+                type=type(exc).__name__,
+                message=str(exc),
+                traceback="".join(traceback.format_exception(exc)),
+            )
             self._exit_errors.append(exc)
 
     # ---------------------------------------------------------------- data
@@ -359,10 +401,12 @@ class BaseTrainer:
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.state_dict_options)
         state: dict[str, Any] = {
-            "model": model_state, "optimizer": optim_state,
+            "model": model_state,
+            "optimizer": optim_state,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "step": self.step, "epoch": self.epoch,
+            "step": self.step,
+            "epoch": self.epoch,
         }
         for hook in self.hooks:
             hook.on_state_dict(self, state)
@@ -376,8 +420,13 @@ class BaseTrainer:
         # initial_lr) must be the last word, or a resumed run trains at the wrong rate.
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=self.state_dict_options)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=self.state_dict_options,
+        )
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         self.step = int(state["step"])
@@ -415,4 +464,3 @@ def _version() -> str:
     from trainfsm import __version__
 
     return __version__
-

@@ -39,9 +39,7 @@ def grad_clip(value: Any) -> float | None:
 
 def mixed_precision(value: Any) -> str | None:
     if value not in MIXED_PRECISION_DTYPES:
-        raise ValueError(
-            f"mixed_precision must be one of 'fp16', 'bf16' or None; got {value!r}."
-        )
+        raise ValueError(f"mixed_precision must be one of 'fp16', 'bf16' or None; got {value!r}.")
     return value  # type: ignore[no-any-return]
 
 
@@ -63,7 +61,9 @@ def device(value: Any) -> torch.device:
     try:
         return torch.device(value)
     except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"device {value!r} is not a valid torch device ({exc}); use e.g. 'cpu', 'cuda', 'cuda:1' or 0.") from None
+        raise ValueError(
+            f"device {value!r} is not a valid torch device ({exc}); use e.g. 'cpu', 'cuda', 'cuda:1' or 0."
+        ) from None
 
 
 def boolean(name: str, value: Any) -> bool:

@@ -35,9 +35,7 @@ class BaseHook:
     def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
         """``trainer.log(records)`` was called."""
 
-    def on_log_images(
-        self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False
-    ) -> None:
+    def on_log_images(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
         """``trainer.log_images(records)`` was called."""
 
     def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
