@@ -1,6 +1,7 @@
 """trainfsm: a PyTorch training loop whose control flow is an explicit, audited state machine."""
 
-from trainfsm.hooks import BaseHook
+from trainfsm.checkpoint import CheckpointError
+from trainfsm.hooks import BaseHook, CheckpointingHook
 from trainfsm.machine import STATES, TRANSITIONS
 from trainfsm.trainer import BaseTrainer, LossNoneWarning
 from trainfsm.utils import key_average, map_nested_tensor, unwrap
@@ -12,6 +13,8 @@ __all__ = [
     "TRANSITIONS",
     "BaseHook",
     "BaseTrainer",
+    "CheckpointError",
+    "CheckpointingHook",
     "LossNoneWarning",
     "__version__",
     "key_average",

@@ -9,7 +9,8 @@ Which hook method fires where (every hook may also define ``on_enter_<state>`` /
 ====================== ==============================================================================
 hook method            fires
 ====================== ==============================================================================
-on_before_train        ``restored`` (RESTORE -> STEP), before STEP is entered: once, after resume
+on_before_train        leaving RESTORE by ``restored`` (or ``finish`` when the checkpoint is already
+                       at ``max_steps``): once, after resume, before the first step
 on_before_step         entering STEP, after ``trainer.step`` was advanced to the step being run
 on_before_optimizer_   during ACCUMULATE on a step's last micro-batch: after unscale and clip,
 step                   before ``optimizer.step()``
@@ -63,7 +64,8 @@ TRANSITIONS: Final[tuple[tuple[str, tuple[str, ...], str], ...]] = (
     ("stepped", (ACCUMULATE,), STEP),  # optimizer stepped, nothing to save
     ("save", (ACCUMULATE,), CHECKPOINT),  # a hook wants a checkpoint after this step
     ("resume", (CHECKPOINT,), STEP),
-    ("finish", (ACCUMULATE, CHECKPOINT), EXIT),  # last step done, or a stop was requested
+    # Last step done, or a stop was requested; from RESTORE: the checkpoint is already at max_steps.
+    ("finish", (RESTORE, ACCUMULATE, CHECKPOINT), EXIT),
     ("preempt", (BUILD, RESTORE), EXIT),  # exit signal before training began: nothing to save
     ("fail", (BUILD, RESTORE, STEP, ACCUMULATE, RETRY, CHECKPOINT), EXIT),  # exception, then re-raise
 )
@@ -73,7 +75,7 @@ TRIGGERS: Final[tuple[str, ...]] = tuple(trigger for trigger, _, _ in TRANSITION
 #: Seed hook methods bound to transitions: method -> (callback list, trigger, source).
 #: ``on_before_step`` and ``on_after_train`` are state entries and are bound as such.
 SEED_TRANSITION_HOOKS: Final[dict[str, tuple[tuple[str, str, str], ...]]] = {
-    "on_before_train": (("before", "restored", RESTORE),),
+    "on_before_train": (("before", "restored", RESTORE), ("before", "finish", RESTORE)),
     "on_after_step": (
         ("before", "stepped", ACCUMULATE),
         ("before", "save", ACCUMULATE),

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainfsm import data_state, rng
 from trainfsm import machine as fsm
 from trainfsm import validation as check
 from trainfsm.events import FORMAT_VERSION, EventLog, new_run_id, previous_attempt
@@ -145,9 +146,9 @@ class BaseTrainer:
             attempt=self.attempt,
             progress=lambda: (self.step, self.state),
         )
-        self._log = self._events.log
+        self.audit = self._events.log
         self._exit_errors: list[BaseException] = []
-        self._log.info(
+        self.audit.info(
             "run_start",
             format=FORMAT_VERSION,
             world_size=world,
@@ -164,7 +165,7 @@ class BaseTrainer:
         )
 
     def _fail(self, exc: BaseException) -> None:
-        self._log.error(
+        self.audit.error(
             "exception",
             type=type(exc).__name__,
             message=str(exc),
@@ -176,7 +177,7 @@ class BaseTrainer:
         try:
             self.fail()
         except BaseException as inner:  # EXIT's own work failed: record it, keep the original error
-            self._log.error(
+            self.audit.error(
                 "exception",
                 type=type(inner).__name__,
                 message=str(inner),
@@ -208,6 +209,9 @@ class BaseTrainer:
             no_sync=no_sync if self.no_sync_accumulate and self.gradient_accumulation_steps > 1 else None,
         )
         self._data_iter: Iterator[Any] | None = None
+        self._data_resume: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
+        self._batches = 0
+        self._epoch_rng: dict[str, Any] | None = None
         self._bind_callbacks()
         return self.built  # type: ignore[attr-defined,no-any-return]
 
@@ -247,8 +251,17 @@ class BaseTrainer:
         # Hooks (the checkpoint hook) restored state in on_enter_restore; RNG states are back
         # before the iterator exists, so a shuffling loader draws the same order it drew before.
         resumed = self.step > 0
-        self._log.info("restore", resumed=resumed, from_step=self.step)
-        self._data_iter = self._new_iterator()
+        self.audit.info("restore", resumed=resumed, from_step=self.step)
+        if self.step >= self.max_steps:  # resumed from a finished run: nothing left to do
+            self.exit_reason, self.exit_code = "completed", 0
+            return self.finish  # type: ignore[attr-defined,no-any-return]
+        if self._data_resume is not None:
+            mode, saved, rng_state = self._data_resume
+            self._data_iter, self._batches, self._epoch_rng = data_state.resume(self.data_loader, mode, saved)
+            if rng_state is not None:
+                rng.restore(rng_state)
+        else:
+            self._data_iter = self._new_iterator()
         return self.restored  # type: ignore[attr-defined,no-any-return]
 
     def _begin_step(self) -> None:
@@ -278,7 +291,7 @@ class BaseTrainer:
                     LossNoneWarning,
                     stacklevel=2,
                 )
-            self._log.debug("loss_none", micro=self._micro)
+            self.audit.debug("loss_none", micro=self._micro)
             return self.micro  # type: ignore[attr-defined,no-any-return]
         self._micro += 1
         self._loss = loss if self._loss is None else self._loss + loss
@@ -290,7 +303,7 @@ class BaseTrainer:
         if not finite and not stepper.scaler_enabled:
             return self.non_finite  # type: ignore[attr-defined,no-any-return]
         if not finite:
-            self._log.warning(
+            self.audit.warning(
                 "non_finite",
                 what="scaler_skip",
                 retry=0,
@@ -336,7 +349,7 @@ class BaseTrainer:
                 f"or check the data."
             )
         self._retries += 1
-        self._log.warning("non_finite", what="gradients", retry=self._retries, max=limit)
+        self.audit.warning("non_finite", what="gradients", retry=self._retries, max=limit)
         self._micro = 0
         self._loss = None
         self._records = []
@@ -351,14 +364,14 @@ class BaseTrainer:
         close_iterator(iterator)
         if self.exit_reason is None:  # entered EXIT without a reason: only `fail` sets none first
             self.exit_reason, self.exit_code = "failed", 1
-        self._log.info("exit", reason=self.exit_reason, code=self.exit_code)
+        self.audit.info("exit", reason=self.exit_reason, code=self.exit_code)
 
     def _guarded(self, callback: Callable[[], Any]) -> None:
         """Run an EXIT callback; a failure is recorded and raised after EXIT's work is done."""
         try:
             callback()
         except Exception as exc:
-            self._log.error(
+            self.audit.error(
                 "exception",
                 type=type(exc).__name__,
                 message=str(exc),
@@ -368,25 +381,35 @@ class BaseTrainer:
 
     # ---------------------------------------------------------------- data
     def _new_iterator(self) -> Iterator[Any]:
-        loader = self.data_loader
-        for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-            set_epoch = getattr(owner, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(self.epoch)
-                break
-        return iter(loader)  # type: ignore[arg-type]
+        data_state.set_epoch(self.data_loader, self.epoch)
+        # Once per epoch: the random state that decides this epoch's order, for exact resume.
+        self._epoch_rng = rng.capture()
+        self._batches = 0
+        return iter(self.data_loader)  # type: ignore[arg-type]
+
+    def data_state(self) -> dict[str, Any]:
+        """This rank's data position (epoch, batches drawn, epoch random state, loader state)."""
+        return data_state.capture(self.data_loader, self.epoch, self._batches, self._epoch_rng)
+
+    def resume_data(self, mode: str, saved: dict[str, Any], rng_state: dict[str, Any] | None) -> None:
+        """Ask RESTORE to position the data iterator as ``saved`` says, then restore ``rng_state``."""
+        self._data_resume = (mode, saved, rng_state)
 
     def _next_batch(self) -> Any:
         try:
-            return next(self._data_iter)  # type: ignore[arg-type]
+            batch = next(self._data_iter)  # type: ignore[arg-type]
+            self._batches += 1
+            return batch
         except StopIteration:
             pass
         close_iterator(self._data_iter)
         self.epoch += 1
-        self._log.info("epoch", epoch=self.epoch)
+        self.audit.info("epoch", epoch=self.epoch)
         self._data_iter = self._new_iterator()
         try:
-            return next(self._data_iter)
+            batch = next(self._data_iter)
+            self._batches += 1
+            return batch
         except StopIteration:
             raise RuntimeError(
                 "build_data_loader() returned an iterable that yields no batches when iterated again "

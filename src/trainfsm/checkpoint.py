@@ -1,0 +1,258 @@
+"""An atomic, verified checkpoint store: one directory per step, a manifest, a ``latest`` pointer.
+
+Layout under the store's root::
+
+    1000/            model.pt, training_state.pt, [hooks.pt], manifest.json
+    5000_keep/       a kept checkpoint (keep_interval / keep_steps): never pruned
+    latest -> 5000_keep   a relative symlink, or a one-line file where links are not allowed
+
+Why each step of a save is there (a crash may happen between any two of them):
+
+1. Files are written into ``.tmp-<step>-<nonce>/`` beside the target and fsynced: a reader never
+   sees a half-written file under a step's name.
+2. ``manifest.json`` is written last, so a directory without a manifest is never complete.
+3. The directory is fsynced, renamed into place, and the parent fsynced: after that, the rename
+   survives a power cut.
+4. Only then does ``latest`` move (a new link renamed over the old one), and only then are old
+   checkpoints pruned, so there is always a complete newest checkpoint on disk.
+
+Loading checks the manifest (format, sizes, sha256) before ``torch.load(weights_only=True)``
+touches a byte, so neither a truncated file nor a pickle that would run code is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import platform
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+MANIFEST: Final = "manifest.json"
+LATEST: Final = "latest"
+KEEP_SUFFIX: Final = "_keep"
+TMP_PREFIX: Final = ".tmp-"
+FORMAT: Final = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the file and the problem."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    step: int
+    path: Path
+    kept: bool
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def parse_step(name: str) -> tuple[int, bool] | None:
+    """(step, kept) for a checkpoint directory name, None for anything else."""
+    kept = name.endswith(KEEP_SUFFIX)
+    digits = name[: -len(KEEP_SUFFIX)] if kept else name
+    return (int(digits), kept) if digits.isdigit() else None
+
+
+class CheckpointStore:
+    """Save, list, verify, load and prune the checkpoints under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, parts: dict[str, Any], *, keep: bool) -> tuple[Checkpoint, int, str]:
+        """Write ``parts`` (file stem -> object) as checkpoint ``step``; returns it, bytes, manifest hash."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        name = f"{step}{KEEP_SUFFIX}" if keep else str(step)
+        tmp = self.root / f"{TMP_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        files: dict[str, dict[str, Any]] = {}
+        total = 0
+        for stem, obj in parts.items():
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            data = buffer.getvalue()
+            files[f"{stem}.pt"] = {"bytes": len(data), "sha256": _write_durable(tmp / f"{stem}.pt", data)}
+            total += len(data)
+        from trainfsm import __version__
+
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "kept": keep,
+            "created": time.time(),
+            "files": files,
+            "versions": {"trainfsm": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        }
+        manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        checksum = _write_durable(tmp / MANIFEST, manifest_bytes)  # last: it marks the set complete
+        _fsync_dir(tmp)
+        target = self.root / name
+        other = self.root / (str(step) if keep else f"{step}{KEEP_SUFFIX}")
+        for existing in (target, other):  # the same step saved again (a resumed run): replace it
+            if existing.exists():
+                trash = self.root / f"{TMP_PREFIX}old-{existing.name}-{uuid.uuid4().hex[:8]}"
+                existing.rename(trash)
+                shutil.rmtree(trash, ignore_errors=True)
+        tmp.rename(target)
+        _fsync_dir(self.root)
+        self._point_latest(name)
+        return Checkpoint(step, target, keep), total + len(manifest_bytes), checksum
+
+    def _point_latest(self, name: str) -> None:
+        link = self.root / LATEST
+        tmp = self.root / f"{TMP_PREFIX}latest-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.symlink_to(name, target_is_directory=True)
+        except OSError:  # filesystems without symlinks: a one-line file instead
+            _write_durable(tmp, (name + "\n").encode())
+        os.replace(tmp, link)
+        _fsync_dir(self.root)
+
+    def remove_leftovers(self) -> list[str]:
+        """Delete temporary directories of interrupted saves; returns their names.
+
+        A ``.tmp-old-<name>-*`` directory is a complete checkpoint that a re-save of the same step
+        moved aside; if the save died before its replacement arrived, it is moved back instead.
+        """
+        if not self.root.is_dir():
+            return []
+        removed = []
+        for entry in sorted(self.root.iterdir()):
+            if entry.name.startswith(f"{TMP_PREFIX}old-") and entry.is_dir():
+                name = entry.name[len(f"{TMP_PREFIX}old-") :].rsplit("-", 1)[0]
+                if not (self.root / name / MANIFEST).is_file() and (entry / MANIFEST).is_file():
+                    entry.rename(self.root / name)
+                    _fsync_dir(self.root)
+                    continue
+            if entry.name.startswith(TMP_PREFIX):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+                removed.append(entry.name)
+        return removed
+
+    # ------------------------------------------------------------------ listing
+    def checkpoints(self) -> list[Checkpoint]:
+        """Every step directory, complete or not, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            parsed = parse_step(entry.name)
+            if parsed is not None and entry.is_dir() and not entry.is_symlink():
+                found.append(Checkpoint(parsed[0], entry, parsed[1]))
+        return sorted(found, key=lambda c: (c.step, c.kept))
+
+    def latest_name(self) -> str | None:
+        link = self.root / LATEST
+        if link.is_symlink():
+            return os.readlink(link)
+        if link.is_file():
+            return link.read_text().strip() or None
+        return None
+
+    def candidates(self) -> Iterator[Checkpoint]:
+        """Checkpoints to try for ``load="latest"``: the ``latest`` target first, then newest first."""
+        all_checkpoints = self.checkpoints()
+        name = self.latest_name()
+        first = [c for c in all_checkpoints if c.path.name == name]
+        yield from first
+        yield from (c for c in reversed(all_checkpoints) if c not in first)
+
+    # ------------------------------------------------------------------ verifying and loading
+    @staticmethod
+    def verify(path: Path) -> dict[str, Any]:
+        """The manifest of a complete, intact checkpoint; CheckpointError naming what is wrong."""
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {MANIFEST} is missing (an interrupted save?)")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{manifest_path} is not valid JSON ({exc})") from None
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        if found != FORMAT or "files" not in manifest:
+            raise CheckpointError(f"{manifest_path} has unknown format {found!r} (this trainfsm reads {FORMAT})")
+        for name, expected in manifest["files"].items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{file} is missing (listed in {MANIFEST})")
+            size = file.stat().st_size
+            if size != expected["bytes"]:
+                raise CheckpointError(f"{file} has {size} bytes, the manifest says {expected['bytes']} (truncated?)")
+            if _sha256(file) != expected["sha256"]:
+                raise CheckpointError(f"{file} does not match its sha256 in {MANIFEST} (corrupted)")
+        return manifest  # type: ignore[no-any-return]
+
+    @classmethod
+    def load(cls, path: Path) -> dict[str, Any]:
+        """Verify, then load every file with ``weights_only=True``: file stem -> object."""
+        manifest = cls.verify(path)
+        parts = {}
+        for name in manifest["files"]:
+            try:
+                parts[name.removesuffix(".pt")] = torch.load(path / name, map_location="cpu", weights_only=True)
+            except Exception as exc:  # weights_only refuses arbitrary pickles: say so, run nothing
+                raise CheckpointError(
+                    f"{path / name} could not be loaded safely with weights_only=True ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}); it holds objects other than tensors and "
+                    f"plain containers, or is not a torch file"
+                ) from None
+        return parts
+
+    # ------------------------------------------------------------------ pruning
+    def prune(self, keep_previous: int) -> list[Checkpoint]:
+        """Delete complete, unkept checkpoints beyond the newest ``keep_previous + 1``; never the
+        newest complete one, never a kept one, never one ``latest`` points at."""
+        complete = [c for c in self.checkpoints() if (c.path / MANIFEST).is_file()]
+        if not complete:
+            return []
+        protected = {c.path for c in complete if c.kept}
+        protected.add(complete[-1].path)
+        latest = self.latest_name()
+        protected.update(c.path for c in complete if c.path.name == latest)
+        unkept = [c for c in complete if not c.kept]
+        protected.update(c.path for c in unkept[-(keep_previous + 1) :])
+        removed = []
+        for checkpoint in complete:
+            if checkpoint.path not in protected:
+                shutil.rmtree(checkpoint.path, ignore_errors=True)
+                removed.append(checkpoint)
+        return removed

@@ -1,0 +1,202 @@
+"""``CheckpointingHook``: saves in CHECKPOINT, loads in RESTORE, through ``CheckpointStore``."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterable
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from trainfsm import data_state, rng
+from trainfsm.checkpoint import CheckpointError, CheckpointStore
+from trainfsm.hooks.base import BaseHook
+
+if TYPE_CHECKING:
+    from trainfsm.trainer import BaseTrainer
+
+#: trainer.state_dict() keys that go to model.pt / training_state.pt; anything else came from a hook.
+MODEL_KEYS = ("model",)
+TRAINING_KEYS = ("optimizer", "lr_scheduler", "grad_scaler", "step", "epoch")
+
+
+class CheckpointingHook(BaseHook):
+    """Save every ``interval`` steps (and at ``keep_interval`` / ``keep_steps`` and at the end),
+    keep the newest ``keep_previous + 1`` plus every kept one, and resume from ``load``.
+
+    ``exit_signals`` / ``exit_code`` / ``exit_wait`` describe what to do on a scheduler's signal
+    (checkpoint, then exit with ``128 + signal`` or the given code, after ``exit_wait`` seconds).
+    """
+
+    def __init__(
+        self,
+        interval: int,
+        keep_previous: int = 0,
+        keep_interval: int = 0,
+        keep_steps: Iterable[int] | None = None,
+        path: Path | str = "checkpoints",
+        load: Path | str | Literal["latest"] | None = "latest",
+        exit_signals: list[signal.Signals] | signal.Signals | None = None,
+        exit_code: int | Literal["128+signal"] = "128+signal",
+        exit_wait: timedelta | float = 0.0,
+        data_resume: str = "auto",
+    ) -> None:
+        self.interval = _non_negative_int("interval", interval, minimum=1)
+        self.keep_previous = _non_negative_int("keep_previous", keep_previous)
+        self.keep_interval = _non_negative_int("keep_interval", keep_interval)
+        steps = [] if keep_steps is None else list(keep_steps)
+        for step in steps:
+            _non_negative_int("keep_steps", step, minimum=1)
+        self.keep_steps = frozenset(steps)
+        if not isinstance(path, (str, Path)) or str(path) == "":
+            raise TypeError(f"CheckpointingHook path must be a non-empty str or Path; got {path!r}.")
+        self.path = Path(path)
+        if load is not None and not isinstance(load, (str, Path)):
+            raise TypeError(f"CheckpointingHook load must be 'latest', a path or None; got {load!r}.")
+        self.load = load
+        self.exit_signals = _signals(exit_signals)
+        if exit_code != "128+signal" and (
+            isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 0 <= exit_code <= 255
+        ):
+            raise ValueError(
+                f"CheckpointingHook exit_code must be '128+signal' or an int in 0..255; got {exit_code!r}."
+            )
+        self.exit_code = exit_code
+        wait = exit_wait.total_seconds() if isinstance(exit_wait, timedelta) else exit_wait
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
+            raise ValueError(f"CheckpointingHook exit_wait must be seconds >= 0 or a timedelta; got {exit_wait!r}.")
+        self.exit_wait = float(wait)
+        if data_resume not in data_state.MODES:
+            raise ValueError(f"CheckpointingHook data_resume must be one of {data_state.MODES}; got {data_resume!r}.")
+        self.data_resume = data_resume
+        self.store: CheckpointStore | None = None
+        self.loaded_from: Path | None = None
+
+    # ------------------------------------------------------------------ RESTORE
+    def on_enter_restore(self, trainer: BaseTrainer) -> None:
+        self.store = store = CheckpointStore(self._root(trainer))
+        log = trainer.audit
+        if trainer.rank == 0:
+            removed = store.remove_leftovers()
+            if removed:
+                log.warning("checkpoint_tmp_removed", names=removed)
+        if self.load is None:
+            return
+        if self.load == "latest":
+            for checkpoint in store.candidates():
+                try:
+                    parts = store.load(checkpoint.path)
+                except CheckpointError as exc:
+                    log.warning("checkpoint_skipped", path=str(checkpoint.path), reason=str(exc))
+                    continue
+                self._restore(trainer, checkpoint.path, parts)
+                return
+            return
+        path = Path(self.load)
+        if not path.is_absolute() and (store.root / path).exists():  # "1000" means checkpoints/1000
+            path = store.root / path
+        self._restore(trainer, path, store.load(path))
+
+    def _restore(self, trainer: BaseTrainer, path: Path, parts: dict[str, Any]) -> None:
+        state = {**parts.get("model", {}), **parts.get("training_state", {}), **parts.get("hooks", {})}
+        ranks = state.pop("ranks", None)
+        trainer.load_state_dict(state)
+        if ranks:
+            # Each rank resumes its own random streams; on a different world size, rank 0's.
+            mine = ranks[trainer.rank] if trainer.rank < len(ranks) else ranks[0]
+            if self.data_resume == "none":
+                rng.restore(mine["rng"])
+            else:
+                trainer.resume_data(self.data_resume, mine["data"], mine["rng"])
+        self.loaded_from = path
+        trainer.audit.info("checkpoint_loaded", path=str(path), from_step=trainer.step)
+
+    # ------------------------------------------------------------------ CHECKPOINT
+    def wants_checkpoint(self, trainer: BaseTrainer) -> bool:
+        step = trainer.step
+        return (
+            step % self.interval == 0
+            or self._kept(step)
+            or trainer.exit_reason is not None  # the last step, or a stop: never lose the end
+        )
+
+    def _kept(self, step: int) -> bool:
+        return step in self.keep_steps or (self.keep_interval > 0 and step % self.keep_interval == 0)
+
+    def on_enter_checkpoint(self, trainer: BaseTrainer) -> None:
+        state = trainer.state_dict()  # every rank: FSDP gathers collectively
+        ranks = _gather({"rng": rng.capture(), "data": trainer.data_state()}, trainer.world_size)
+        if trainer.rank == 0:
+            started = time.perf_counter()
+            parts = {
+                "model": {key: state[key] for key in MODEL_KEYS},
+                "training_state": {**{key: state[key] for key in TRAINING_KEYS}, "ranks": ranks},
+            }
+            extra = {key: value for key, value in state.items() if key not in MODEL_KEYS + TRAINING_KEYS}
+            if extra:
+                parts["hooks"] = extra
+            assert self.store is not None
+            checkpoint, size, checksum = self.store.save(trainer.step, parts, keep=self._kept(trainer.step))
+            trainer.audit.info(
+                "checkpoint_saved",
+                path=str(checkpoint.path),
+                bytes=size,
+                seconds=round(time.perf_counter() - started, 6),
+                checksum=checksum,
+                kept=checkpoint.kept,
+            )
+            pruned = self.store.prune(self.keep_previous)
+            if pruned:
+                trainer.audit.info("checkpoint_pruned", paths=[str(c.path) for c in pruned])
+        _barrier(trainer.world_size)  # no rank runs ahead of a checkpoint that is not durable yet
+
+    def _root(self, trainer: BaseTrainer) -> Path:
+        if self.path.is_absolute():
+            return self.path
+        if trainer.workspace is None:
+            raise ValueError(
+                f"CheckpointingHook(path={str(self.path)!r}) is relative and the trainer has no workspace; "
+                f"pass workspace=... to the trainer or an absolute path to the hook."
+            )
+        return trainer.workspace / self.path
+
+
+def _gather(state: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """Every rank's ``state``, on every rank (one collective per checkpoint)."""
+    if world_size == 1:
+        return [state]
+    import torch.distributed as dist
+
+    states: list[Any] = [None] * world_size
+    dist.all_gather_object(states, state)
+    return states
+
+
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _non_negative_int(name: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"CheckpointingHook {name} must be an int >= {minimum}; got {value!r}.")
+    return value
+
+
+def _signals(value: Any) -> tuple[signal.Signals, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, (int, signal.Signals)) else list(value)
+    out = []
+    for item in items:
+        try:
+            out.append(signal.Signals(item))
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"CheckpointingHook exit_signals must be signal.Signals (e.g. signal.SIGTERM, signal.SIGUSR1); "
+                f"got {item!r}."
+            ) from None
+    return tuple(out)
