@@ -74,11 +74,15 @@ class _JsonLinesSink:
         if file is None:
             self.debug = self.info = self.warning = self.error = self.critical = self._drop
         else:
-            self.debug = file.write  # per-step transitions: buffered
+            self.debug = self._write  # transitions: buffered
             self.info = self.warning = self.error = self.critical = self._write_flush
 
     def _drop(self, line: bytes) -> None:
         return None
+
+    def _write(self, line: bytes) -> None:
+        assert self._file is not None
+        self._file.write(line)
 
     def _write_flush(self, line: bytes) -> None:
         assert self._file is not None

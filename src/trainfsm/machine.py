@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from transitions import Machine
 from transitions.core import Event
@@ -93,7 +93,7 @@ def transition_rows() -> list[tuple[str, str, str]]:
     return [(trigger, source, dest) for trigger, sources, dest in TRANSITIONS for source in sources]
 
 
-class CompiledEvent(Event):  # type: ignore[misc]
+class CompiledEvent(Event):
     """A transitions ``Event`` whose per-source callback plans are resolved once.
 
     Until ``compile()`` is called it dispatches through transitions unchanged (the tests compare
@@ -120,14 +120,17 @@ class CompiledEvent(Event):  # type: ignore[misc]
         self._plans = {}
         for source, transitions in self.transitions.items():
             (transition,) = transitions  # the table has exactly one row per (trigger, source)
-            src, dst = machine.get_state(source), machine.get_state(transition.dest)
-            before = (*transition.prepare, *transition.before, *src.on_exit)
-            after = (announce(self.name, source, transition.dest), *dst.on_enter, *transition.after)
-            if transition.conditions or dst.final:
-                raise TypeError(f"transition {self.name!r} from {source!r} has conditions")
-            if not all(callable(cb) for cb in (*before, *after)):
+            dest = transition.dest
+            if dest is None or transition.conditions or machine.get_state(dest).final:
+                raise TypeError(f"transition {self.name!r} from {source!r} is internal or has conditions")
+            src, dst = machine.get_state(source), machine.get_state(dest)
+            callbacks = (*transition.prepare, *transition.before, *src.on_exit, *dst.on_enter, *transition.after)
+            if not all(callable(cb) for cb in callbacks):
                 raise TypeError(f"transition {self.name!r} from {source!r} has a non-callable callback")
-            self._plans[source] = partial(_run_plan, model, machine.model_attribute, transition.dest, before, after)
+            split = len(transition.prepare) + len(transition.before) + len(src.on_exit)
+            before = cast(tuple[Callable[[], Any], ...], callbacks[:split])
+            after = (announce(self.name, source, dest), *cast(tuple[Callable[[], Any], ...], callbacks[split:]))
+            self._plans[source] = partial(_run_plan, model, machine.model_attribute, dest, before, after)
 
     def trigger(self, model: Any, *args: Any, **kwargs: Any) -> bool:
         plan = self._plans.get(getattr(model, self.machine.model_attribute))
@@ -151,7 +154,7 @@ def _run_plan(
     return True
 
 
-class TrainMachine(Machine):  # type: ignore[misc]
+class TrainMachine(Machine):
     """``transitions.Machine`` with compiled events; states are plain strings."""
 
     event_cls = CompiledEvent
@@ -162,7 +165,7 @@ class TrainMachine(Machine):  # type: ignore[misc]
         ``announce(trigger, source, dest)`` returns the callable that records that transition.
         """
         for event in self.events.values():
-            event.compile(model, announce)
+            cast(CompiledEvent, event).compile(model, announce)
 
 
 def build_machine(model: Any, *, machine_cls: type[Machine] = TrainMachine) -> Machine:
@@ -198,7 +201,7 @@ def bind(
     callback: Callable[[], Any],
 ) -> None:
     """Append ``callback`` to a state's enter/exit list or a transition's before/after list."""
-    if kind in ("enter", "exit"):
+    if isinstance(target, str):
         state = machine.get_state(target)
         (state.on_enter if kind == "enter" else state.on_exit).append(callback)
         return

@@ -17,7 +17,7 @@ import torch
 
 def capture() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     numpy = sys.modules.get("numpy")  # only if someone uses it: importing it costs ~0.1 s
     if numpy is not None:

@@ -141,7 +141,7 @@ class Stepper:
         scaled = loss * self.inv_accumulation if self.accumulation != 1 else loss
         if self.scaler_enabled:
             scaled = self.scaler.scale(scaled)
-        scaled.backward()
+        scaled.backward()  # type: ignore[no-untyped-call]
         return loss.detach(), records
 
     def check_and_clip(self) -> tuple[bool, torch.Tensor | None]:

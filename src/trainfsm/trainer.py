@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -36,6 +36,23 @@ class LossNoneWarning(UserWarning):
 class BaseTrainer:
     """Subclass it, implement ``build_data_loader``, ``build_model``, ``build_optimizer`` and
     ``forward``, then call ``train()``."""
+
+    #: The machine's current state; set by ``transitions`` once ``train()`` builds the machine.
+    state: str
+
+    if TYPE_CHECKING:  # trigger methods that transitions attaches to the trainer in train()
+
+        def built(self) -> bool: ...
+        def restored(self) -> bool: ...
+        def micro(self) -> bool: ...
+        def non_finite(self) -> bool: ...
+        def retry(self) -> bool: ...
+        def stepped(self) -> bool: ...
+        def save(self) -> bool: ...
+        def resume(self) -> bool: ...
+        def finish(self) -> bool: ...
+        def preempt(self) -> bool: ...
+        def fail(self) -> bool: ...
 
     def __init__(
         self,
@@ -213,7 +230,7 @@ class BaseTrainer:
         self._batches = 0
         self._epoch_rng: dict[str, Any] | None = None
         self._bind_callbacks()
-        return self.built  # type: ignore[attr-defined,no-any-return]
+        return self.built
 
     def _bind_callbacks(self) -> None:
         """Bind the trainer's bookkeeping first, then each hook's overridden methods, in list order."""
@@ -254,15 +271,17 @@ class BaseTrainer:
         self.audit.info("restore", resumed=resumed, from_step=self.step)
         if self.step >= self.max_steps:  # resumed from a finished run: nothing left to do
             self.exit_reason, self.exit_code = "completed", 0
-            return self.finish  # type: ignore[attr-defined,no-any-return]
+            return self.finish
         if self._data_resume is not None:
             mode, saved, rng_state = self._data_resume
-            self._data_iter, self._batches, self._epoch_rng = data_state.resume(self.data_loader, mode, saved)
+            self._data_iter, self._batches, self._epoch_rng = data_state.resume(
+                cast(Iterable[Any], self.data_loader), mode, saved
+            )
             if rng_state is not None:
                 rng.restore(rng_state)
         else:
             self._data_iter = self._new_iterator()
-        return self.restored  # type: ignore[attr-defined,no-any-return]
+        return self.restored
 
     def _begin_step(self) -> None:
         self.step += 1
@@ -275,7 +294,7 @@ class BaseTrainer:
         self._step_start = time.perf_counter()
 
     def _run_step(self) -> Callable[[], bool]:
-        return self.micro  # type: ignore[attr-defined,no-any-return]
+        return self.micro
 
     def _run_accumulate(self) -> Callable[[], bool]:
         t0 = time.perf_counter()
@@ -292,16 +311,16 @@ class BaseTrainer:
                     stacklevel=2,
                 )
             self.audit.debug("loss_none", micro=self._micro)
-            return self.micro  # type: ignore[attr-defined,no-any-return]
+            return self.micro
         self._micro += 1
         self._loss = loss if self._loss is None else self._loss + loss
         self._records.append(records)
         if not last:
-            return self.micro  # type: ignore[attr-defined,no-any-return]
+            return self.micro
         stepper = self._stepper
         finite, grad_norm = stepper.check_and_clip()
         if not finite and not stepper.scaler_enabled:
-            return self.non_finite  # type: ignore[attr-defined,no-any-return]
+            return self.non_finite
         if not finite:
             self.audit.warning(
                 "non_finite",
@@ -329,8 +348,8 @@ class BaseTrainer:
         if stop or self.step >= self.max_steps:
             self.exit_reason, self.exit_code = ("stopped" if stop else "completed"), 0
         if self._checkpoint_askers and any(ask() for ask in self._checkpoint_askers):
-            return self.save  # type: ignore[attr-defined,no-any-return]
-        return self.finish if self.exit_reason else self.stepped  # type: ignore[attr-defined,no-any-return]
+            return self.save
+        return self.finish if self.exit_reason else self.stepped
 
     def _run_retry(self) -> Callable[[], bool]:
         self._stepper.discard()
@@ -353,11 +372,11 @@ class BaseTrainer:
         self._micro = 0
         self._loss = None
         self._records = []
-        return self.retry  # type: ignore[attr-defined,no-any-return]
+        return self.retry
 
     def _run_checkpoint(self) -> Callable[[], bool]:
         # The checkpoint hook saved in on_enter_checkpoint; leave for good or for the next step.
-        return self.finish if self.exit_reason else self.resume  # type: ignore[attr-defined,no-any-return]
+        return self.finish if self.exit_reason else self.resume
 
     def _finish_exit(self) -> None:
         iterator, self._data_iter = getattr(self, "_data_iter", None), None
@@ -422,7 +441,8 @@ class BaseTrainer:
         """Model, optimizer, scheduler, scaler, step, epoch, and each hook's ``on_state_dict``."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.state_dict_options)
+        model, optimizer = self._built_model_and_optimizer("state_dict")
+        model_state, optim_state = get_state_dict(model, optimizer, options=self.state_dict_options)
         state: dict[str, Any] = {
             "model": model_state,
             "optimizer": optim_state,
@@ -438,14 +458,15 @@ class BaseTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
+        model, optimizer = self._built_model_and_optimizer("load_state_dict")
         # The scheduler before the optimizer: a scheduler's load may write its view of the
         # learning rates into the param groups, and the optimizer's saved groups (lr,
         # initial_lr) must be the last word, or a resumed run trains at the wrong rate.
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         set_state_dict(
-            self.model,
-            self.optimizer,
+            model,
+            optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
             options=self.state_dict_options,
@@ -456,6 +477,14 @@ class BaseTrainer:
         self.epoch = int(state.get("epoch", 0))
         for hook in self.hooks:
             hook.on_load_state_dict(self, state)
+
+    def _built_model_and_optimizer(self, method: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if self.model is None or self.optimizer is None:
+            raise RuntimeError(
+                f"{method}() needs the built model and optimizer; they exist once train() has run BUILD "
+                f"(call it from a hook, or after train())."
+            )
+        return self.model, self.optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return unwrap(model)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -21,10 +21,10 @@ def map_nested_tensor(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     if isinstance(obj, Mapping):
         mapped = {key: map_nested_tensor(f, value) for key, value in obj.items()}
         try:
-            out = type(obj)()  # type: ignore[call-arg]
+            out: Any = type(obj)()
             out.update(mapped)
             return out
-        except TypeError:  # a mapping type that cannot be built empty
+        except (TypeError, AttributeError):  # a mapping type that cannot be built empty or updated
             return mapped
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(map_nested_tensor(f, value) for value in obj))
@@ -82,7 +82,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             model = model._orig_mod
         elif isinstance(model, wrappers):
-            model = model.module
+            model = cast(nn.Module, model.module)
         else:
             return model
 
