@@ -1,0 +1,282 @@
+"""CheckpointingHook and CheckpointStore: layout on disk, atomicity, verified loading, exact resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from trainfsm import BaseTrainer, CheckpointError, CheckpointingHook
+from trainfsm.checkpoint import CheckpointStore
+
+
+class Trainer(BaseTrainer):
+    """Dropout, a shuffling DataLoader, Adam and a StepLR: everything exact resume must restore."""
+
+    def __init__(self, hook: CheckpointingHook | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("device", "cpu")
+        super().__init__(**kwargs)
+        self.hook = hook
+
+    def build_data_loader(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.model.parameters(), lr=0.05)  # type: ignore[union-attr]
+
+    def build_lr_scheduler(self) -> Any:
+        return torch.optim.lr_scheduler.StepLR(self.optimizer, 3)  # type: ignore[arg-type]
+
+    def build_hooks(self) -> list[Any]:
+        return [self.hook] if self.hook else []
+
+    def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        x, y = input
+        noise = random.random() * 1e-3  # python's RNG must be restored too
+        return nn.functional.mse_loss(self.model(x), y) + noise, {}  # type: ignore[misc]
+
+
+def params(trainer: BaseTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.model.parameters()]  # type: ignore[union-attr]
+
+
+def events(workspace: Path, name: str | None = None) -> list[dict[str, Any]]:
+    lines = (workspace / "logs" / "events.rank0.jsonl").read_text().splitlines()
+    out = [json.loads(line) for line in lines]
+    return [e for e in out if name is None or e["event"] == name]
+
+
+def run(workspace: Path, steps: int, **hook_kwargs: Any) -> Trainer:
+    hook_kwargs.setdefault("interval", 4)
+    trainer = Trainer(CheckpointingHook(**hook_kwargs), max_steps=steps, workspace=workspace)
+    torch.manual_seed(1)
+    random.seed(1)
+    trainer.train()
+    return trainer
+
+
+def test_layout_one_directory_per_step_with_manifest_and_latest_link(tmp_path: Path) -> None:
+    run(tmp_path, 8)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["8", "latest"]
+    assert sorted(p.name for p in (root / "8").iterdir()) == ["manifest.json", "model.pt", "training_state.pt"]
+    assert (root / "latest").is_symlink() and os.readlink(root / "latest") == "8"
+    manifest = json.loads((root / "8" / "manifest.json").read_text())
+    assert manifest["step"] == 8 and manifest["format"] == 1
+    assert set(manifest["versions"]) == {"trainfsm", "torch", "python"}
+    for name, entry in manifest["files"].items():
+        assert (root / "8" / name).stat().st_size == entry["bytes"]
+        assert len(entry["sha256"]) == 64
+
+
+def test_saves_at_interval_keep_steps_and_last_step_then_prunes(tmp_path: Path) -> None:
+    run(tmp_path, 11, interval=4, keep_previous=1, keep_steps=[6], keep_interval=10)
+    saved = [e["step"] for e in events(tmp_path, "checkpoint_saved")]
+    assert saved == [4, 6, 8, 10, 11]
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["10_keep", "11", "6_keep", "8", "latest"]
+    pruned = [p for e in events(tmp_path, "checkpoint_pruned") for p in e["paths"]]
+    assert pruned == [str(root / "4")]
+
+
+def test_transitions_go_through_checkpoint_state(tmp_path: Path) -> None:
+    run(tmp_path, 5, interval=4)
+    rows = [(e["trigger"], e["source"], e["dest"], e["step"]) for e in events(tmp_path, "transition")]
+    assert ("save", "ACCUMULATE", "CHECKPOINT", 4) in rows
+    assert ("resume", "CHECKPOINT", "STEP", 4) in rows
+    assert rows[-2:] == [("save", "ACCUMULATE", "CHECKPOINT", 5), ("finish", "CHECKPOINT", "EXIT", 5)]
+
+
+def test_resume_is_exact_with_dropout_shuffle_adam_and_scheduler(tmp_path: Path) -> None:
+    straight = params(run(tmp_path / "a", 13))
+    run(tmp_path / "b", 7)  # interrupted mid-epoch (5 batches per epoch), checkpoint at step 7
+    torch.manual_seed(999)  # a different process state: everything must come from the checkpoint
+    random.seed(999)
+    resumed = Trainer(CheckpointingHook(interval=4), max_steps=13, workspace=tmp_path / "b")
+    resumed.train()
+    assert resumed.attempt == 1
+    assert [e["path"] for e in events(tmp_path / "b", "checkpoint_loaded")] == [str(tmp_path / "b/checkpoints/7")]
+    for a, b in zip(straight, params(resumed), strict=True):
+        assert torch.equal(a, b)
+    assert resumed.lr_scheduler.last_epoch == 13  # type: ignore[union-attr]
+
+
+def test_resume_of_a_finished_run_exits_without_stepping(tmp_path: Path) -> None:
+    run(tmp_path, 4)
+    again = Trainer(CheckpointingHook(interval=4), max_steps=4, workspace=tmp_path)
+    again.train()
+    last = events(tmp_path)
+    attempt1 = [e for e in last if e["attempt"] == 1]
+    assert [(e["trigger"], e["dest"]) for e in attempt1 if e["event"] == "transition"] == [
+        ("built", "RESTORE"),
+        ("finish", "EXIT"),
+    ]
+    assert attempt1[-1]["event"] == "exit" and attempt1[-1]["reason"] == "completed"
+
+
+def test_latest_skips_a_corrupt_newest_checkpoint_with_a_warning(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    model_file = tmp_path / "checkpoints" / "8" / "model.pt"
+    model_file.write_bytes(model_file.read_bytes()[:-10] + b"0123456789")  # same size, other bytes
+    resumed = Trainer(CheckpointingHook(interval=4), max_steps=9, workspace=tmp_path)
+    resumed.train()
+    skipped = events(tmp_path, "checkpoint_skipped")
+    assert [e["path"] for e in skipped] == [str(tmp_path / "checkpoints" / "8")]
+    assert "sha256" in skipped[0]["reason"]
+    assert events(tmp_path, "checkpoint_loaded")[0]["path"] == str(tmp_path / "checkpoints" / "4")
+
+
+def test_latest_skips_a_checkpoint_without_manifest(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    (tmp_path / "checkpoints" / "8" / "manifest.json").unlink()
+    resumed = Trainer(CheckpointingHook(interval=4), max_steps=9, workspace=tmp_path)
+    resumed.train()
+    assert "manifest.json is missing" in events(tmp_path, "checkpoint_skipped")[0]["reason"]
+    assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 4
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "model.pt").unlink(), "model.pt is missing"),
+        (lambda d: (d / "model.pt").write_bytes(b"short"), "has 5 bytes"),
+        (lambda d: (d / "manifest.json").write_text("{not json"), "not valid JSON"),
+    ],
+)
+def test_explicit_load_of_a_damaged_checkpoint_is_a_clear_error(tmp_path: Path, damage: Any, message: str) -> None:
+    run(tmp_path, 4)
+    damage(tmp_path / "checkpoints" / "4")
+    trainer = Trainer(CheckpointingHook(interval=4, load="4"), max_steps=6, workspace=tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        trainer.train()
+    assert events(tmp_path)[-1]["event"] == "exit" and events(tmp_path)[-1]["reason"] == "failed"
+
+
+def test_explicit_load_of_a_missing_path_names_it(tmp_path: Path) -> None:
+    trainer = Trainer(CheckpointingHook(interval=4, load=tmp_path / "nope"), max_steps=2, workspace=tmp_path)
+    with pytest.raises(CheckpointError, match="nope does not exist"):
+        trainer.train()
+
+
+class _Payload:
+    """Unpickling this creates a file: proof that code from the checkpoint ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (open, (self.marker, "w"))
+
+
+def test_a_malicious_pickle_is_refused_and_runs_no_code(tmp_path: Path) -> None:
+    run(tmp_path, 4)
+    directory = tmp_path / "checkpoints" / "4"
+    marker = tmp_path / "pwned"
+    torch.save({"model": _Payload(str(marker))}, directory / "model.pt")  # a real torch file
+    evil = (directory / "model.pt").read_bytes()
+    assert not marker.exists()
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["files"]["model.pt"] = {"bytes": len(evil), "sha256": hashlib.sha256(evil).hexdigest()}
+    (directory / "manifest.json").write_text(json.dumps(manifest))  # an attacker can fix the manifest too
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        CheckpointStore.load(directory)
+    assert not marker.exists()
+    torch.load(directory / "model.pt", weights_only=False)  # the payload is real: unsafe loading runs it
+    assert marker.exists()
+
+
+def test_a_plain_pickle_file_is_refused(tmp_path: Path) -> None:
+    run(tmp_path, 4)
+    directory = tmp_path / "checkpoints" / "4"
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(_Payload(str(marker)), protocol=2)
+    (directory / "model.pt").write_bytes(evil)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["files"]["model.pt"] = {"bytes": len(evil), "sha256": hashlib.sha256(evil).hexdigest()}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        CheckpointStore.load(directory)
+    assert not marker.exists()
+
+
+def test_leftover_temporary_directory_is_removed_with_an_event(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    (root / ".tmp-4-deadbeef").mkdir(parents=True)
+    (root / ".tmp-4-deadbeef" / "model.pt").write_bytes(b"partial")
+    run(tmp_path, 4)
+    assert not (root / ".tmp-4-deadbeef").exists()
+    assert events(tmp_path, "checkpoint_tmp_removed")[0]["names"] == [".tmp-4-deadbeef"]
+    assert (root / "latest").resolve() == (root / "4").resolve()
+
+
+def test_a_checkpoint_moved_aside_by_an_interrupted_resave_is_restored(tmp_path: Path) -> None:
+    run(tmp_path, 4)
+    root = tmp_path / "checkpoints"
+    (root / "4").rename(root / ".tmp-old-4-cafebabe")  # the save died right after moving it aside
+    store = CheckpointStore(root)
+    store.remove_leftovers()
+    assert (root / "4" / "manifest.json").is_file()
+    CheckpointStore.verify(root / "4")
+
+
+def test_pruning_never_removes_newest_or_kept(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    for step, keep in [(1, True), (2, False), (3, False), (4, False)]:
+        store.save(step, {"model": {"w": torch.zeros(1)}}, keep=keep)
+    store.prune(keep_previous=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1_keep", "4", "latest"]
+
+
+def test_latest_falls_back_to_a_plain_file_where_links_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_links(*_: Any, **__: Any) -> None:
+        raise OSError("symlinks not supported")
+
+    monkeypatch.setattr(Path, "symlink_to", no_links)
+    store = CheckpointStore(tmp_path)
+    store.save(3, {"model": {"w": torch.ones(1)}}, keep=False)
+    assert (tmp_path / "latest").read_text() == "3\n"
+    assert [c.step for c in store.candidates()] == [3]
+
+
+def test_relative_path_without_workspace_is_a_clear_error() -> None:
+    trainer = Trainer(CheckpointingHook(interval=1), max_steps=1)
+    with pytest.raises(ValueError, match="relative and the trainer has no workspace"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval": 0}, "interval must be an int >= 1"),
+        ({"interval": 1, "keep_previous": -1}, "keep_previous must be an int >= 0"),
+        ({"interval": 1, "keep_steps": [0]}, "keep_steps must be an int >= 1"),
+        ({"interval": 1, "exit_code": 300}, "exit_code must be '128\\+signal' or an int in 0..255"),
+        ({"interval": 1, "exit_wait": -1}, "exit_wait must be seconds >= 0"),
+        ({"interval": 1, "exit_signals": ["TERM"]}, "exit_signals must be signal.Signals"),
+        ({"interval": 1, "data_resume": "rewind"}, "data_resume must be one of"),
+    ],
+)
+def test_bad_hook_arguments_are_named(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        CheckpointingHook(**kwargs)
+
+
+def test_exit_signal_arguments_are_accepted_and_normalised() -> None:
+    hook = CheckpointingHook(interval=1, exit_signals=[signal.SIGTERM, 10], exit_code=0, exit_wait=1.5)
+    assert hook.exit_signals == (signal.SIGTERM, signal.SIGUSR1)
+    assert (hook.exit_code, hook.exit_wait) == (0, 1.5)
