@@ -280,3 +280,19 @@ def test_exit_signal_arguments_are_accepted_and_normalised() -> None:
     hook = CheckpointingHook(interval=1, exit_signals=[signal.SIGTERM, 10], exit_code=0, exit_wait=1.5)
     assert hook.exit_signals == (signal.SIGTERM, signal.SIGUSR1)
     assert (hook.exit_code, hook.exit_wait) == (0, 1.5)
+
+
+class WiderTrainer(Trainer):
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 9), nn.Dropout(0.3), nn.Linear(9, 1), nn.Linear(1, 1))
+
+
+def test_resume_with_a_changed_model_names_every_mismatched_key(tmp_path: Path) -> None:
+    run(tmp_path, 4)
+    trainer = WiderTrainer(CheckpointingHook(interval=4), max_steps=6, workspace=tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "missing keys: 3.bias, 3.weight" in message
+    assert "shape mismatch: 0.bias (checkpoint (8,), model (9,)), 0.weight (checkpoint (8, 4), model (9, 4))" in message
+    assert "2.weight (checkpoint (1, 8), model (1, 9))" in message

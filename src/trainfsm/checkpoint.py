@@ -256,3 +256,30 @@ class CheckpointStore:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
                 removed.append(checkpoint)
         return removed
+
+
+def check_fits(path: Path, current: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Refuse a model state whose keys or shapes differ from the model's, naming them all.
+
+    Checked before anything is loaded, so a mismatch changes nothing: torch would otherwise
+    report only the first problem it meets, or fail on the optimizer's state first.
+    """
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    shapes = sorted(
+        f"{key} (checkpoint {tuple(saved[key].shape)}, model {tuple(current[key].shape)})"
+        for key in set(current) & set(saved)
+        if isinstance(current[key], torch.Tensor)
+        and isinstance(saved[key], torch.Tensor)
+        and current[key].shape != saved[key].shape
+    )
+    problems = [
+        f"{label}: {', '.join(items)}"
+        for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatch", shapes))
+        if items
+    ]
+    if problems:
+        raise CheckpointError(
+            f"{path} does not fit the model ({'; '.join(problems)}). Resume with the model it was saved "
+            f"from, or load it with load=None and copy the weights you want yourself."
+        )

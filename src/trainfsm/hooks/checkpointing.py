@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainfsm import data_state, rng
-from trainfsm.checkpoint import CheckpointError, CheckpointStore
+from trainfsm.checkpoint import CheckpointError, CheckpointStore, check_fits
 from trainfsm.hooks.base import BaseHook
 
 if TYPE_CHECKING:
@@ -101,6 +101,10 @@ class CheckpointingHook(BaseHook):
     def _restore(self, trainer: BaseTrainer, path: Path, parts: dict[str, Any]) -> None:
         state = {**parts.get("model", {}), **parts.get("training_state", {}), **parts.get("hooks", {})}
         ranks = state.pop("ranks", None)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        current = get_model_state_dict(trainer.model, options=trainer.state_dict_options)  # type: ignore[arg-type]
+        check_fits(path, current, state["model"])
         trainer.load_state_dict(state)
         if ranks:
             # Each rank resumes its own random streams; on a different world size, rank 0's.
