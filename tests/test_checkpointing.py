@@ -296,3 +296,53 @@ def test_resume_with_a_changed_model_names_every_mismatched_key(tmp_path: Path) 
     assert "missing keys: 3.bias, 3.weight" in message
     assert "shape mismatch: 0.bias (checkpoint (8,), model (9,)), 0.weight (checkpoint (8, 4), model (9, 4))" in message
     assert "2.weight (checkpoint (1, 8), model (1, 9))" in message
+
+
+def test_async_save_writes_the_same_checkpoints_and_reports_blocked_time(tmp_path: Path) -> None:
+    sync = run(tmp_path / "sync", 9)
+    asynchronous = run(tmp_path / "async", 9, async_save=True)
+    for a, b in zip(params(sync), params(asynchronous), strict=True):
+        assert torch.equal(a, b)
+    saved = events(tmp_path / "async", "checkpoint_saved")
+    assert [e["saved_step"] for e in saved] == [4, 8, 9]
+    assert all(e["asynchronous"] and e["blocked_seconds"] >= 0 for e in saved)
+    for step in (9,):
+        a = CheckpointStore.load(tmp_path / "sync" / "checkpoints" / str(step))["model"]["model"]
+        b = CheckpointStore.load(tmp_path / "async" / "checkpoints" / str(step))["model"]["model"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert os.readlink(tmp_path / "async" / "checkpoints" / "latest") == "9"  # EXIT waited for it
+
+
+def test_async_save_stages_a_copy_so_later_steps_do_not_leak_into_it(tmp_path: Path) -> None:
+    run(tmp_path / "sync", 4, interval=2, keep_previous=5)
+    run(tmp_path / "async", 4, interval=2, keep_previous=5, async_save=True)
+    a = CheckpointStore.load(tmp_path / "sync" / "checkpoints" / "2")["model"]["model"]
+    b = CheckpointStore.load(tmp_path / "async" / "checkpoints" / "2")["model"]["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _disk_full(*_: Any, **__: Any) -> None:
+    raise OSError(28, "No space left on device")
+
+
+def test_a_failed_save_loses_no_earlier_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run(tmp_path, 4)
+    monkeypatch.setattr("trainfsm.checkpoint._DurableWriter.write", _disk_full)
+    trainer = Trainer(CheckpointingHook(interval=4), max_steps=8, workspace=tmp_path)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.train()
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["4", "latest"]  # no partial 8, no temp dir
+    CheckpointStore.verify(root / "4")
+    assert events(tmp_path)[-1]["reason"] == "failed"
+
+
+def test_a_failed_async_save_raises_at_the_next_step_or_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("trainfsm.checkpoint._DurableWriter.write", _disk_full)
+    trainer = Trainer(CheckpointingHook(interval=4, async_save=True), max_steps=8, workspace=tmp_path)
+    with pytest.raises(CheckpointError, match="asynchronous checkpoint save failed: OSError"):
+        trainer.train()
+    failed = events(tmp_path, "checkpoint_failed")
+    assert len(failed) == 1 and "No space left" in failed[0]["message"]
+    assert 4 < failed[0]["step"] <= 8
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name != "latest"]

@@ -23,7 +23,6 @@ touches a byte, so neither a truncated file nor a pickle that would run code is 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import platform
@@ -31,6 +30,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -86,11 +86,82 @@ def parse_step(name: str) -> tuple[int, bool] | None:
     return (int(digits), kept) if digits.isdigit() else None
 
 
+class _DurableWriter:
+    """The file ``torch.save`` writes into: hashes and flushes while serialization goes on.
+
+    A plain ``torch.save`` only copies bytes into the page cache. Checksumming afterwards (~0.14 s
+    per 200 MB here) and one fsync at the end (~0.09 s) would add most of a save's time again.
+    Instead each large chunk is hashed on a helper thread while the same chunk is written (both
+    release the GIL), and every ``SYNC_EVERY`` bytes an ``fdatasync`` starts in the background, so
+    the final fsync finds little left to write.
+    """
+
+    SYNC_EVERY: Final = 64 << 20
+    PARALLEL_FROM: Final = 1 << 20
+
+    def __init__(self, path: Path, pool: ThreadPoolExecutor) -> None:
+        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by finish()/abort()
+        self._fd = self._file.fileno()
+        self._sha = hashlib.sha256()
+        self._pool = pool
+        self._unsynced = 0
+        self._sync: Future[None] | None = None
+        self.bytes = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        if size >= self.PARALLEL_FROM:
+            hashed = self._pool.submit(self._sha.update, view)
+            self._write_all(view)
+            hashed.result()
+        else:
+            self._sha.update(view)
+            self._write_all(view)
+        self.bytes += size
+        self._unsynced += size
+        if self._unsynced >= self.SYNC_EVERY and (self._sync is None or self._sync.done()):
+            if self._sync is not None:
+                self._sync.result()  # surface an I/O error now, not at the end
+            self._sync = self._pool.submit(os.fdatasync, self._fd)
+            self._unsynced = 0
+        return size
+
+    def _write_all(self, view: memoryview) -> None:
+        while view.nbytes:
+            written = self._file.write(view)
+            if written is None:  # pragma: no cover - only for non-blocking files
+                continue
+            view = view[written:]
+
+    def flush(self) -> None:
+        return None
+
+    def finish(self) -> str:
+        """Wait for background syncs, fsync, close; returns the sha256."""
+        if self._sync is not None:
+            self._sync.result()
+        os.fsync(self._fd)
+        self._file.close()
+        return self._sha.hexdigest()
+
+    def abort(self) -> None:
+        if self._sync is not None:
+            self._sync.exception()
+        self._file.close()
+
+
 class CheckpointStore:
     """Save, list, verify, load and prune the checkpoints under ``root``."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._pool: ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, parts: dict[str, Any], *, keep: bool) -> tuple[Checkpoint, int, str]:
@@ -99,14 +170,29 @@ class CheckpointStore:
         name = f"{step}{KEEP_SUFFIX}" if keep else str(step)
         tmp = self.root / f"{TMP_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        try:
+            return self._save_into(tmp, name, step, parts, keep)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays behind; older ones are untouched
+            raise
+
+    def _save_into(
+        self, tmp: Path, name: str, step: int, parts: dict[str, Any], keep: bool
+    ) -> tuple[Checkpoint, int, str]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainfsm-ckpt-io")
         files: dict[str, dict[str, Any]] = {}
         total = 0
         for stem, obj in parts.items():
-            buffer = io.BytesIO()
-            torch.save(obj, buffer)
-            data = buffer.getvalue()
-            files[f"{stem}.pt"] = {"bytes": len(data), "sha256": _write_durable(tmp / f"{stem}.pt", data)}
-            total += len(data)
+            writer = _DurableWriter(tmp / f"{stem}.pt", self._pool)
+            try:
+                torch.save(obj, writer)  # type: ignore[arg-type]
+                digest = writer.finish()
+            except BaseException:
+                writer.abort()
+                raise
+            files[f"{stem}.pt"] = {"bytes": writer.bytes, "sha256": digest}
+            total += writer.bytes
         from trainfsm import __version__
 
         manifest = {

@@ -66,28 +66,26 @@ BATCH: Final = 64
 _CONSOLE_FIELDS_SKIPPED: Final = frozenset({"ts", "event", "rank", "run_id", "attempt", "traceback"})
 
 
-class _JsonLinesSink:
+class _FileSink:
     """structlog's final "logger": writes rendered lines; flushes all but transitions."""
 
-    def __init__(self, file: IO[bytes] | None) -> None:
+    def __init__(self, file: IO[bytes]) -> None:
         self._file = file
-        if file is None:
-            self.debug = self.info = self.warning = self.error = self.critical = self._drop
-        else:
-            self.debug = self._write  # transitions: buffered
-            self.info = self.warning = self.error = self.critical = self._write_flush
+        self.debug = file.write  # transitions: buffered
+        self.info = self.warning = self.error = self.critical = self._write_flush
+
+    def _write_flush(self, line: bytes) -> None:
+        self._file.write(line)
+        self._file.flush()
+
+
+class _NullSink:
+    """Without a workspace: events reach the console only."""
 
     def _drop(self, line: bytes) -> None:
         return None
 
-    def _write(self, line: bytes) -> None:
-        assert self._file is not None
-        self._file.write(line)
-
-    def _write_flush(self, line: bytes) -> None:
-        assert self._file is not None
-        self._file.write(line)
-        self._file.flush()
+    debug = info = warning = error = critical = _drop
 
 
 class EventLog:
@@ -124,7 +122,7 @@ class EventLog:
         else:
             processors.append(self._discard)
         self.log: Any = structlog.wrap_logger(
-            _JsonLinesSink(self._file),
+            _FileSink(self._file) if self._file is not None else _NullSink(),
             processors=processors,
             wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
             context_class=dict,

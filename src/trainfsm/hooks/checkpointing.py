@@ -5,13 +5,15 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from trainfsm import data_state, rng
-from trainfsm.checkpoint import CheckpointError, CheckpointStore, check_fits
+from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore, check_fits
 from trainfsm.hooks.base import BaseHook
+from trainfsm.utils import map_nested_tensor
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -27,6 +29,10 @@ class CheckpointingHook(BaseHook):
 
     ``exit_signals`` / ``exit_code`` / ``exit_wait`` describe what to do on a scheduler's signal
     (checkpoint, then exit with ``128 + signal`` or the given code, after ``exit_wait`` seconds).
+    ``data_resume`` says how the data iterator gets back to where it was (see ``trainfsm.data_state``).
+    ``async_save`` stages the state to CPU memory and writes it on a background thread while
+    training goes on: at most one save in flight, a failure raises at the next step or at EXIT, and
+    EXIT waits until the last save is durable.
     """
 
     def __init__(
@@ -41,6 +47,7 @@ class CheckpointingHook(BaseHook):
         exit_code: int | Literal["128+signal"] = "128+signal",
         exit_wait: timedelta | float = 0.0,
         data_resume: str = "auto",
+        async_save: bool = False,
     ) -> None:
         self.interval = _non_negative_int("interval", interval, minimum=1)
         self.keep_previous = _non_negative_int("keep_previous", keep_previous)
@@ -70,8 +77,11 @@ class CheckpointingHook(BaseHook):
         if data_resume not in data_state.MODES:
             raise ValueError(f"CheckpointingHook data_resume must be one of {data_state.MODES}; got {data_resume!r}.")
         self.data_resume = data_resume
+        self.async_save = async_save
         self.store: CheckpointStore | None = None
         self.loaded_from: Path | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._inflight: tuple[Future[_Saved], float] | None = None
 
     # ------------------------------------------------------------------ RESTORE
     def on_enter_restore(self, trainer: BaseTrainer) -> None:
@@ -129,31 +139,84 @@ class CheckpointingHook(BaseHook):
         return step in self.keep_steps or (self.keep_interval > 0 and step % self.keep_interval == 0)
 
     def on_enter_checkpoint(self, trainer: BaseTrainer) -> None:
+        self._settle(trainer, wait=True)  # at most one save in flight
         state = trainer.state_dict()  # every rank: FSDP gathers collectively
         ranks = _gather({"rng": rng.capture(), "data": trainer.data_state()}, trainer.world_size)
         if trainer.rank == 0:
             started = time.perf_counter()
-            parts = {
+            parts: dict[str, Any] = {
                 "model": {key: state[key] for key in MODEL_KEYS},
                 "training_state": {**{key: state[key] for key in TRAINING_KEYS}, "ranks": ranks},
             }
             extra = {key: value for key, value in state.items() if key not in MODEL_KEYS + TRAINING_KEYS}
             if extra:
                 parts["hooks"] = extra
-            assert self.store is not None
-            checkpoint, size, checksum = self.store.save(trainer.step, parts, keep=self._kept(trainer.step))
-            trainer.audit.info(
-                "checkpoint_saved",
-                path=str(checkpoint.path),
-                bytes=size,
-                seconds=round(time.perf_counter() - started, 6),
-                checksum=checksum,
-                kept=checkpoint.kept,
-            )
-            pruned = self.store.prune(self.keep_previous)
-            if pruned:
-                trainer.audit.info("checkpoint_pruned", paths=[str(c.path) for c in pruned])
+            step, keep = trainer.step, self._kept(trainer.step)
+            if self.async_save:
+                # Stage a private CPU copy: training goes on updating the live tensors in place.
+                staged = map_nested_tensor(lambda t: t.detach().to("cpu", copy=True), parts)
+                blocked = time.perf_counter() - started
+                if self._writer is None:
+                    self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-async-save")
+                self._inflight = (self._writer.submit(self._write, step, staged, keep), blocked)
+            else:
+                self._log_saved(trainer, self._write(step, parts, keep), blocked=None)
         _barrier(trainer.world_size)  # no rank runs ahead of a checkpoint that is not durable yet
+
+    def _write(self, step: int, parts: dict[str, Any], keep: bool) -> _Saved:
+        """Save, then prune: ``latest`` has moved to a durable checkpoint before anything is deleted."""
+        if self.store is None:
+            raise RuntimeError("CheckpointingHook saves in CHECKPOINT only after RESTORE opened its store")
+        started = time.perf_counter()
+        checkpoint, size, checksum = self.store.save(step, parts, keep=keep)
+        seconds = time.perf_counter() - started
+        return _Saved(checkpoint.path, checkpoint.kept, size, checksum, seconds, self.store.prune(self.keep_previous))
+
+    def _log_saved(self, trainer: BaseTrainer, saved: _Saved, blocked: float | None) -> None:
+        trainer.audit.info(
+            "checkpoint_saved",
+            path=str(saved.path),
+            saved_step=int(saved.path.name.removesuffix("_keep")),
+            bytes=saved.bytes,
+            seconds=round(saved.seconds, 6),
+            checksum=saved.checksum,
+            kept=saved.kept,
+            asynchronous=blocked is not None,
+            **({"blocked_seconds": round(blocked, 6)} if blocked is not None else {}),
+        )
+        if saved.pruned:
+            trainer.audit.info("checkpoint_pruned", paths=[str(c.path) for c in saved.pruned])
+
+    def _settle(self, trainer: BaseTrainer, wait: bool) -> None:
+        """Report a finished asynchronous save; with ``wait``, wait for it. A failed save raises here."""
+        if self._inflight is None:
+            return
+        future, blocked = self._inflight
+        if not wait and not future.done():
+            return
+        self._inflight = None
+        error = future.exception()
+        if error is not None:
+            trainer.audit.error("checkpoint_failed", type=type(error).__name__, message=str(error))
+            raise CheckpointError(f"asynchronous checkpoint save failed: {type(error).__name__}: {error}") from error
+        self._log_saved(trainer, future.result(), blocked=blocked)
+
+    def on_before_step(self, trainer: BaseTrainer) -> None:
+        if self._inflight is not None:
+            self._settle(trainer, wait=False)
+
+    def on_after_train(self, trainer: BaseTrainer) -> None:
+        """EXIT waits until the last save is durable, then releases the I/O threads."""
+        try:
+            self._settle(trainer, wait=True)
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+            if self.store is not None:
+                self.store.close()
+            if trainer.exit_reason != "failed":  # a failing rank may never arrive: don't wait for it
+                _barrier(trainer.world_size)
 
     def _root(self, trainer: BaseTrainer) -> Path:
         if self.path.is_absolute():
@@ -164,6 +227,15 @@ class CheckpointingHook(BaseHook):
                 f"pass workspace=... to the trainer or an absolute path to the hook."
             )
         return trainer.workspace / self.path
+
+
+class _Saved(NamedTuple):
+    path: Path
+    kept: bool
+    bytes: int
+    checksum: str
+    seconds: float
+    pruned: list[Checkpoint]
 
 
 def _gather(state: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
