@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import torch
 
 from trainfsm import data_state, rng
 from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore, check_fits
@@ -81,7 +84,9 @@ class CheckpointingHook(BaseHook):
         self.store: CheckpointStore | None = None
         self.loaded_from: Path | None = None
         self._writer: ThreadPoolExecutor | None = None
-        self._inflight: tuple[Future[_Saved], float] | None = None
+        self._inflight: Future[_Saved] | None = None
+        self._staging: threading.Event | None = None
+        self._blocked = 0.0
 
     # ------------------------------------------------------------------ RESTORE
     def on_enter_restore(self, trainer: BaseTrainer) -> None:
@@ -153,15 +158,42 @@ class CheckpointingHook(BaseHook):
                 parts["hooks"] = extra
             step, keep = trainer.step, self._kept(trainer.step)
             if self.async_save:
-                # Stage a private CPU copy: training goes on updating the live tensors in place.
-                staged = map_nested_tensor(lambda t: t.detach().to("cpu", copy=True), parts)
-                blocked = time.perf_counter() - started
+                staged, copies = _stage(parts, trainer)
+                self._blocked = time.perf_counter() - started
+                self._staging = threading.Event()
                 if self._writer is None:
                     self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-async-save")
-                self._inflight = (self._writer.submit(self._write, step, staged, keep), blocked)
+                self._inflight = self._writer.submit(self._copy_then_write, copies, self._staging, step, staged, keep)
             else:
                 self._log_saved(trainer, self._write(step, parts, keep), blocked=None)
         _barrier(trainer.world_size)  # no rank runs ahead of a checkpoint that is not durable yet
+
+    def _copy_then_write(
+        self,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        staged_event: threading.Event,
+        step: int,
+        parts: dict[str, Any],
+        keep: bool,
+    ) -> _Saved:
+        try:
+            for source, target in copies:
+                target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
+        finally:
+            staged_event.set()
+        return self._write(step, parts, keep)
+
+    def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
+        """The first in-place update of parameters or optimizer state must wait for the copy."""
+        if self._staging is not None:
+            self._wait_staged()
+
+    def _wait_staged(self) -> None:
+        if self._staging is not None:
+            started = time.perf_counter()
+            self._staging.wait()
+            self._blocked += time.perf_counter() - started
+            self._staging = None
 
     def _write(self, step: int, parts: dict[str, Any], keep: bool) -> _Saved:
         """Save, then prune: ``latest`` has moved to a durable checkpoint before anything is deleted."""
@@ -191,15 +223,16 @@ class CheckpointingHook(BaseHook):
         """Report a finished asynchronous save; with ``wait``, wait for it. A failed save raises here."""
         if self._inflight is None:
             return
-        future, blocked = self._inflight
+        future = self._inflight
         if not wait and not future.done():
             return
+        self._wait_staged()
         self._inflight = None
         error = future.exception()
         if error is not None:
             trainer.audit.error("checkpoint_failed", type=type(error).__name__, message=str(error))
             raise CheckpointError(f"asynchronous checkpoint save failed: {type(error).__name__}: {error}") from error
-        self._log_saved(trainer, future.result(), blocked=blocked)
+        self._log_saved(trainer, future.result(), blocked=self._blocked)
 
     def on_before_step(self, trainer: BaseTrainer) -> None:
         if self._inflight is not None:
@@ -236,6 +269,36 @@ class _Saved(NamedTuple):
     checksum: str
     seconds: float
     pruned: list[Checkpoint]
+
+
+def _stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A private CPU copy of ``parts`` for the background writer, and the copies still to make.
+
+    What a forward pass may change in place (buffers such as BatchNorm's running statistics, and
+    anything else that is not a parameter) is copied now. Parameters, optimizer state and hook
+    state change only from the next ``optimizer.step()`` on, so they are copied on the writer
+    thread while the next step's data loading, forward and backward run; ``on_before_optimizer_step``
+    waits for those copies.
+    """
+    model = trainer.model
+    parameters = {p.data_ptr() for p in model.parameters()} if model is not None else set()
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def later(tensor: torch.Tensor) -> torch.Tensor:
+        target = torch.empty_like(tensor, device="cpu")
+        copies.append((tensor.detach(), target))
+        return target
+
+    def now(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to("cpu", copy=True)
+
+    staged = {
+        part: map_nested_tensor(
+            (lambda t: later(t) if t.data_ptr() in parameters else now(t)) if part == "model" else later, value
+        )
+        for part, value in parts.items()
+    }
+    return staged, copies
 
 
 def _gather(state: dict[str, Any], world_size: int) -> list[dict[str, Any]]:

@@ -1,0 +1,143 @@
+"""Checkpoint save cost, side by side in one process.
+
+1. A synchronous ``CheckpointStore.save`` (fsyncs, sha256 checksums, manifest, rename, ``latest``)
+   against a plain ``torch.save`` of the same state to the same disk, alternating, median of
+   ``--rounds``. Target: ratio <= 1.15.
+2. With ``CheckpointingHook(async_save=True)`` in a real trainer, the time the training loop is
+   blocked per save against the synchronous save of the same trainer. Target: <= 10 % of it.
+   Parameters and optimizer state are copied on the writer thread while the next step's forward
+   and backward run, so what blocks depends on a step's compute: ``--batch`` sets it, and the
+   table prints it.
+
+    python benchmarks/checkpoint.py                  # ~200 MB and ~1 GB
+    python benchmarks/checkpoint.py --sizes 50 --rounds 2   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
+from trainfsm.checkpoint import CheckpointStore
+
+MB = 1 << 20
+
+
+def state_of(megabytes: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    chunk = 4 * MB // 4  # 4 MB float32 tensors, like a model's layers
+    return {f"layer{i}.weight": torch.randn(chunk, generator=generator) for i in range(megabytes // 4)}
+
+
+def compare_sync(directory: Path, megabytes: int, rounds: int) -> float:
+    state = state_of(megabytes)
+    store = CheckpointStore(directory / "store")
+    plain_times, store_times = [], []
+    for step in range(rounds):
+        target = directory / "plain.pt"
+        start = time.perf_counter()
+        torch.save(state, target)
+        plain_times.append(time.perf_counter() - start)
+        target.unlink()
+        start = time.perf_counter()
+        store.save(step, {"model": state}, keep=False)
+        store_times.append(time.perf_counter() - start)
+        store.prune(keep_previous=0)
+    store.close()
+    plain, ours = statistics.median(plain_times), statistics.median(store_times)
+    print(
+        f"| {megabytes:>5} MB | sync save | torch.save {plain:7.3f} s | CheckpointStore.save {ours:7.3f} s "
+        f"| ratio {ours / plain:5.2f} |"
+    )
+    return ours / plain
+
+
+class StepTimes(BaseHook):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        self.times.append(trainer.step_info["step_time"])
+
+
+class BigTrainer(BaseTrainer):
+    """One square linear layer of ``width`` and SGD: the state is the model's weight."""
+
+    def __init__(self, width: int, batch: int, hook: CheckpointingHook, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.width, self.batch, self.hook, self.timer = width, batch, hook, StepTimes()
+
+    def build_data_loader(self) -> Any:
+        return [torch.randn(self.batch, self.width)]
+
+    def build_model(self) -> nn.Module:
+        return nn.Linear(self.width, self.width, bias=False)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=1e-3)  # type: ignore[union-attr]
+
+    def build_hooks(self) -> list[Any]:
+        return [self.hook, self.timer]
+
+    def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        return self.model(input).square().mean(), {}  # type: ignore[misc]
+
+
+def compare_async(directory: Path, megabytes: int, steps: int, batch: int) -> float:
+    width = int((megabytes * MB / 4) ** 0.5)
+    results = {}
+    step_time = 0.0
+    for mode in ("sync", "async"):
+        workspace = directory / mode
+        hook = CheckpointingHook(interval=1, async_save=mode == "async")
+        trainer = BigTrainer(width, batch, hook, max_steps=steps, workspace=workspace, device="cpu")
+        trainer.train()
+        step_time = statistics.median(trainer.timer.times)
+        lines = (workspace / "logs" / "events.rank0.jsonl").read_text().splitlines()
+        saved = [e for e in map(json.loads, lines) if e["event"] == "checkpoint_saved"]
+        key = "blocked_seconds" if mode == "async" else "seconds"
+        results[mode] = statistics.median(e[key] for e in saved)
+        shutil.rmtree(workspace)
+    share = results["async"] / results["sync"]
+    print(
+        f"| {megabytes:>5} MB | async save | sync save {results['sync']:7.3f} s | loop blocked "
+        f"{results['async']:7.3f} s | {share:6.1%} | (batch {batch}: a step's compute {step_time:.3f} s) |"
+    )
+    return share
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[200, 1024], help="state sizes in MB")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--batch", type=int, default=8, help="batch of the async case: sets how much compute the copy overlaps"
+    )
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir on /work or /tmp)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    base = args.dir or Path(tempfile.gettempdir())
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
+        directory = Path(tmp)
+        ratios, shares = [], []
+        for megabytes in args.sizes:
+            ratios.append(compare_sync(directory, megabytes, args.rounds))
+            shares.append(compare_async(directory, megabytes, steps=args.rounds + 1, batch=args.batch))
+    print(
+        f"targets: sync ratio <= 1.15 ({'met' if max(ratios) <= 1.15 else 'MISSED'}), "
+        f"async blocked <= 10% ({'met' if max(shares) <= 0.10 else 'MISSED'})"
+    )
+
+
+if __name__ == "__main__":
+    main()
