@@ -40,7 +40,7 @@ fi
 want="$("$py" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())') $EXTRAS torch==$TORCH"
 stamp="$VENV/.trainfsm-setup"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ] \
-  || ! "$py" -c 'import sys, trainfsm; sys.exit(not trainfsm.__file__.startswith(sys.argv[1]))' "$PWD/src/" 2>/dev/null; then
+  || ! "$py" -c 'import importlib.util as u, sys; s = u.find_spec("trainfsm"); sys.exit(not (s and s.origin or "").startswith(sys.argv[1]))' "$PWD/src/" 2>/dev/null; then
   echo "setup: installing trainfsm (editable) with extras [$EXTRAS]"
   "$py" -m pip install -e ".[$EXTRAS]"
   echo "$want" >"$stamp"
