@@ -215,11 +215,6 @@ def test_no_workspace_writes_no_files(tmp_path, monkeypatch, caplog):
     assert caplog.messages[-1] == "[rank 0] step 2 EXIT exit reason=completed code=0"
 
 
-@pytest.mark.xfail(
-    reason="BUG: a failure in BUILD fires `fail` before the machine's callbacks are bound and compiled, "
-    "so the audit trail gets no fail transition and no exit event",
-    strict=True,
-)
 def test_failure_in_build_records_fail_transition_and_exit(tmp_path, events):
     trainer = TinyTrainer(max_steps=1, workspace=tmp_path)
     trainer.build_model = lambda: None  # type: ignore[method-assign]
@@ -228,11 +223,6 @@ def test_failure_in_build_records_fail_transition_and_exit(tmp_path, events):
     assert outline(events()) == ["run_start", "exception:TypeError", "fail:BUILD>EXIT", "exit:failed"]
 
 
-@pytest.mark.xfail(
-    reason="BUG: an exception raised by on_after_train is recorded by the EXIT guard and again by "
-    "train()'s failure path, so the trail shows two exceptions for one",
-    strict=True,
-)
 def test_an_on_after_train_exception_is_recorded_once(make_trainer, events):
     class Boom(BaseHook):
         def on_after_train(self, trainer: BaseTrainer) -> None:
@@ -243,11 +233,6 @@ def test_an_on_after_train_exception_is_recorded_once(make_trainer, events):
     assert [e["message"] for e in events() if e["event"] == "exception"] == ["after train failed"]
 
 
-@pytest.mark.xfail(
-    reason="BUG: EXIT closes the data iterator before it records `exit`, unguarded, so an iterator whose "
-    "close raises leaves the trail without an exit event",
-    strict=True,
-)
 def test_exit_is_recorded_when_closing_the_data_iterator_fails(make_trainer, events):
     class Stream:
         def __iter__(self) -> Iterator[Any]:

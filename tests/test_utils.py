@@ -60,10 +60,6 @@ def test_map_nested_tensor_keeps_a_defaultdict_type():
     assert out["a"].item() == 2.0
 
 
-@pytest.mark.xfail(
-    reason="BUG: map_nested_tensor rebuilds a defaultdict with type(obj)(), dropping its default_factory",
-    strict=True,
-)
 def test_map_nested_tensor_keeps_a_defaultdicts_factory():
     out = map_nested_tensor(double, defaultdict(list, {"a": torch.tensor(1.0)}))
     assert out.default_factory is list

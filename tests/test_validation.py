@@ -78,11 +78,6 @@ def test_device_error_suggests_valid_devices():
         build(device="nope")
 
 
-@pytest.mark.xfail(
-    reason="BUG: an unhashable mixed_precision (e.g. a list) fails the dict lookup with "
-    "\"TypeError: unhashable type: 'list'\", which does not name the argument",
-    strict=True,
-)
 def test_unhashable_mixed_precision_raises_naming_the_argument():
     with pytest.raises((TypeError, ValueError), match="mixed_precision"):
         build(mixed_precision=["bf16"])

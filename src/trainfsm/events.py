@@ -49,7 +49,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "restore": ("resumed", "from_step"),
     "epoch": ("epoch",),
     "loss_none": ("micro",),
-    "non_finite": ("what", "retry", "max"),
+    "non_finite": ("what", "retry", "max", "scale"),
     "checkpoint_saved": ("path", "bytes", "seconds", "checksum"),
     "checkpoint_loaded": ("path",),
     "signal_received": ("signal",),
@@ -197,7 +197,7 @@ def render_console(event: MutableMapping[str, Any]) -> str:
     fields = " ".join(
         f"{key}={value}"
         for key, value in event.items()
-        if key not in _CONSOLE_FIELDS_SKIPPED and key not in ("step", "state")
+        if key not in _CONSOLE_FIELDS_SKIPPED and key not in ("step", "state") and value is not None
     )
     head = f"[rank {event.get('rank', 0)}] step {event.get('step')} {event.get('state')} {event['event']}"
     return f"{head} {fields}" if fields else head

@@ -199,15 +199,21 @@ def bind(
     kind: str,
     target: str | tuple[str, str],
     callback: Callable[[], Any],
+    before: Callable[[], Any] | None = None,
 ) -> None:
-    """Append ``callback`` to a state's enter/exit list or a transition's before/after list."""
+    """Add ``callback`` to a state's enter/exit list or a transition's before/after list: at the
+    end, or right before ``before`` when that is in the list. Call ``compile_events`` afterwards."""
     if isinstance(target, str):
         state = machine.get_state(target)
-        (state.on_enter if kind == "enter" else state.on_exit).append(callback)
-        return
-    trigger, source = target
-    (transition,) = machine.events[trigger].transitions[source]
-    getattr(transition, kind).append(callback)
+        callbacks = state.on_enter if kind == "enter" else state.on_exit
+    else:
+        trigger, source = target
+        (transition,) = machine.events[trigger].transitions[source]
+        callbacks = getattr(transition, kind)
+    if before is not None and before in callbacks:
+        callbacks.insert(callbacks.index(before), callback)
+    else:
+        callbacks.append(callback)
 
 
 def state_hook_names(states: Sequence[str] = STATES) -> list[tuple[str, str, str]]:

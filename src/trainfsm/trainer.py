@@ -127,6 +127,12 @@ class BaseTrainer:
         self._trained = True
         self._machine = fsm.build_machine(self)
         self._open_events()
+        self._data_iter: Iterator[Any] | None = None
+        # The trainer's own bookkeeping is bound (and the machine compiled) before any user code
+        # runs, so that a failure in BUILD is recorded like any other: transition, exception, exit.
+        fsm.bind(self._machine, "enter", fsm.STEP, self._begin_step)
+        fsm.bind(self._machine, "enter", fsm.EXIT, self._finish_exit)
+        self._machine.compile_events(self, self._events.transition_recorder)
         runs: dict[str, Callable[[], Callable[[], bool] | None]] = {
             fsm.BUILD: self._run_build,
             fsm.RESTORE: self._run_restore,
@@ -141,13 +147,13 @@ class BaseTrainer:
             while trigger is not None:
                 trigger()
                 trigger = runs[self.state]()
-            if self._exit_errors:
-                raise self._exit_errors[0]
         except BaseException as exc:
             self._fail(exc)
             raise
         finally:
             self._events.close()
+        if self._exit_errors:  # EXIT's work failed after training completed: recorded, now raised
+            raise self._exit_errors[0]
 
     def _open_events(self) -> None:
         rank, world = _rank_and_world()
@@ -225,7 +231,6 @@ class BaseTrainer:
             grad_clip=self.grad_clip,
             no_sync=no_sync if self.no_sync_accumulate and self.gradient_accumulation_steps > 1 else None,
         )
-        self._data_iter: Iterator[Any] | None = None
         self._data_resume: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
         self._batches = 0
         self._epoch_rng: dict[str, Any] | None = None
@@ -235,7 +240,6 @@ class BaseTrainer:
     def _bind_callbacks(self) -> None:
         """Bind the trainer's bookkeeping first, then each hook's overridden methods, in list order."""
         m = self._machine
-        fsm.bind(m, "enter", fsm.STEP, self._begin_step)
         self._before_optimizer_step = [
             partial(h.on_before_optimizer_step, self) for h in self.hooks if overrides(h, "on_before_optimizer_step")
         ]
@@ -251,17 +255,18 @@ class BaseTrainer:
             for name, (kind, state) in fsm.SEED_STATE_HOOKS.items():
                 if overrides(hook, name):
                     callback = partial(getattr(hook, name), self)
-                    fsm.bind(m, kind, state, partial(self._guarded, callback) if state == fsm.EXIT else callback)
+                    if state == fsm.EXIT:
+                        fsm.bind(m, kind, state, partial(self._guarded, callback), before=self._finish_exit)
+                    else:
+                        fsm.bind(m, kind, state, callback)
             for name, kind, state in fsm.state_hook_names():
                 method = getattr(hook, name, None)
-                if method is not None:
-                    fsm.bind(
-                        m,
-                        kind,
-                        state,
-                        partial(self._guarded, partial(method, self)) if state == fsm.EXIT else partial(method, self),
-                    )
-        fsm.bind(m, "enter", fsm.EXIT, self._finish_exit)
+                if method is None:
+                    continue
+                if state == fsm.EXIT:  # EXIT always completes: hook failures are recorded, then raised
+                    fsm.bind(m, kind, state, partial(self._guarded, partial(method, self)), before=self._finish_exit)
+                else:
+                    fsm.bind(m, kind, state, partial(method, self))
         m.compile_events(self, self._events.transition_recorder)
 
     def _run_restore(self) -> Callable[[], bool]:
@@ -308,7 +313,7 @@ class BaseTrainer:
                     "forward() returned loss=None for a DDP/FSDP model; the micro-batch is skipped. "
                     "Do not call the wrapped module's forward when you return None.",
                     LossNoneWarning,
-                    stacklevel=2,
+                    stacklevel=3,  # the user's train() call
                 )
             self.audit.debug("loss_none", micro=self._micro)
             return self.micro
@@ -368,7 +373,7 @@ class BaseTrainer:
                 f"or check the data."
             )
         self._retries += 1
-        self.audit.warning("non_finite", what="gradients", retry=self._retries, max=limit)
+        self.audit.warning("non_finite", what="gradients", retry=self._retries, max=limit, scale=None)
         self._micro = 0
         self._loss = None
         self._records = []
@@ -379,9 +384,9 @@ class BaseTrainer:
         return self.finish if self.exit_reason else self.resume
 
     def _finish_exit(self) -> None:
-        iterator, self._data_iter = getattr(self, "_data_iter", None), None
-        close_iterator(iterator)
-        if self.exit_reason is None:  # entered EXIT without a reason: only `fail` sets none first
+        iterator, self._data_iter = self._data_iter, None
+        self._guarded(partial(close_iterator, iterator))
+        if self.exit_reason is None or self._exit_errors:  # a failure, also one in EXIT's own work
             self.exit_reason, self.exit_code = "failed", 1
         self.audit.info("exit", reason=self.exit_reason, code=self.exit_code)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -20,11 +21,12 @@ def map_nested_tensor(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         return f(obj)
     if isinstance(obj, Mapping):
         mapped = {key: map_nested_tensor(f, value) for key, value in obj.items()}
-        try:
-            out: Any = type(obj)()
+        try:  # a shallow copy keeps the type and its settings (a defaultdict's factory)
+            out: Any = copy.copy(obj)
+            out.clear()
             out.update(mapped)
             return out
-        except (TypeError, AttributeError):  # a mapping type that cannot be built empty or updated
+        except (TypeError, AttributeError):  # a read-only mapping: a plain dict instead
             return mapped
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(map_nested_tensor(f, value) for value in obj))

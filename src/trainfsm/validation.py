@@ -38,9 +38,9 @@ def grad_clip(value: Any) -> float | None:
 
 
 def mixed_precision(value: Any) -> str | None:
-    if value not in MIXED_PRECISION_DTYPES:
+    if not (value is None or isinstance(value, str)) or value not in MIXED_PRECISION_DTYPES:
         raise ValueError(f"mixed_precision must be one of 'fp16', 'bf16' or None; got {value!r}.")
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def workspace(value: Any) -> Path | None:
