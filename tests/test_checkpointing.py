@@ -346,3 +346,14 @@ def test_a_failed_async_save_raises_at_the_next_step_or_exit(tmp_path: Path, mon
     assert len(failed) == 1 and "No space left" in failed[0]["message"]
     assert 4 < failed[0]["step"] <= 8
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name != "latest"]
+
+
+def test_a_path_already_under_a_relative_workspace_is_not_nested_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    workspace = Path("runs") / "exp"
+    trainer = Trainer(CheckpointingHook(interval=2, path=workspace / "checkpoints"), max_steps=2, workspace=workspace)
+    trainer.train()
+    assert (tmp_path / "runs" / "exp" / "checkpoints" / "2" / "manifest.json").is_file()
+    assert not (tmp_path / "runs" / "exp" / "runs").exists()

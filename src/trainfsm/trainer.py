@@ -428,7 +428,7 @@ class BaseTrainer:
             pass
         close_iterator(self._data_iter)
         self.epoch += 1
-        self.audit.info("epoch", epoch=self.epoch)
+        self.audit.debug("epoch", epoch=self.epoch)
         self._data_iter = self._new_iterator()
         try:
             batch = next(self._data_iter)

@@ -252,14 +252,17 @@ class CheckpointingHook(BaseHook):
                 _barrier(trainer.world_size)
 
     def _root(self, trainer: BaseTrainer) -> Path:
+        workspace = trainer.workspace
         if self.path.is_absolute():
             return self.path
-        if trainer.workspace is None:
+        if workspace is not None and (self.path == workspace or workspace in self.path.parents):
+            return self.path  # already under the workspace, as in `path=self.workspace / "checkpoints"`
+        if workspace is None:
             raise ValueError(
                 f"CheckpointingHook(path={str(self.path)!r}) is relative and the trainer has no workspace; "
                 f"pass workspace=... to the trainer or an absolute path to the hook."
             )
-        return trainer.workspace / self.path
+        return workspace / self.path
 
 
 class _Saved(NamedTuple):

@@ -1,0 +1,208 @@
+"""Kill a real training process with SIGKILL at random moments and restart it until it finishes.
+
+Each trial trains the same deterministic model (dropout, a shuffling DataLoader, Adam) in a fresh
+workspace, SIGKILLs it after a random delay (checkpoint writes are slowed down in the child, so
+many kills land inside a save), restarts it, and repeats ``--kills`` times before letting it run to
+the end. A trial passes when the final parameters are bitwise equal to an uninterrupted run's,
+every restart resumed from a complete checkpoint (or from scratch when none existed yet), and no
+checkpoint was ever skipped as incomplete or corrupt.
+
+    python tests/faults/kill_resume.py --trials 200
+
+prints one line per trial and ends with "N passed, N failed"; the exit status is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+STEPS = 40
+HERE = Path(__file__).resolve()
+
+
+def child(workspace: Path, out: Path, slow: float) -> None:
+    """The training script under test (runs in its own process)."""
+    import torch
+    from torch import nn
+
+    from trainfsm import BaseTrainer, CheckpointingHook
+    from trainfsm import checkpoint as store
+
+    if slow:  # widen the window in which a kill lands inside a checkpoint write
+        finish = store._DurableWriter.finish
+
+        def slow_finish(self: Any) -> str:
+            time.sleep(slow)  # the file is written, not yet synced, renamed or pointed at
+            return finish(self)
+
+        store._DurableWriter.finish = slow_finish  # type: ignore[method-assign]
+
+    class Trainer(BaseTrainer):
+        def build_data_loader(self) -> Any:
+            g = torch.Generator().manual_seed(0)
+            data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g))
+            return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
+
+        def build_model(self) -> nn.Module:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 1))
+
+        def build_optimizer(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.model.parameters(), lr=0.01)  # type: ignore[union-attr]
+
+        def build_hooks(self) -> list[Any]:
+            return [CheckpointingHook(interval=3, keep_previous=1)]
+
+        def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+            time.sleep(0.01)  # a step takes a while, like real work
+            x, y = input
+            return nn.functional.mse_loss(self.model(x), y), {}  # type: ignore[misc]
+
+    torch.manual_seed(1234)
+    trainer = Trainer(max_steps=STEPS, workspace=workspace, device="cpu")
+    trainer.train()
+    torch.save([p.detach() for p in trainer.model.parameters()], out)  # type: ignore[union-attr]
+
+
+def _launch(workspace: Path, out: Path, slow: float) -> subprocess.Popen[bytes]:
+    command = [sys.executable, str(HERE), "--child", "--workspace", str(workspace), "--out", str(out)]
+    command += ["--slow", str(slow)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _events(workspace: Path) -> list[dict[str, Any]]:
+    path = workspace / "logs" / "events.rank0.jsonl"
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:  # the last line of a killed writer may be cut off
+            continue
+    return events
+
+
+def _last_step(workspace: Path) -> int:
+    """The step the restarted process resumes from: that of the newest complete checkpoint."""
+    from trainfsm.checkpoint import parse_step
+
+    names = [p.parent.name for p in (workspace / "checkpoints").glob("*/manifest.json") if not p.parent.is_symlink()]
+    return max((parsed[0] for parsed in map(parse_step, names) if parsed), default=0)
+
+
+def _count(workspace: Path, name: str) -> int:
+    path = workspace / "logs" / "events.rank0.jsonl"
+    return path.read_bytes().count(b'"event":"' + name.encode() + b'"') if path.exists() else 0
+
+
+def reference(directory: Path, slow: float) -> tuple[list[Any], float]:
+    """The uninterrupted run's final parameters, and how long its training took (RESTORE to EXIT)."""
+    import torch
+
+    out = directory / "reference.pt"
+    process = _launch(directory / "reference", out, slow=slow)
+    _, err = process.communicate(timeout=300)
+    if process.returncode != 0:
+        raise RuntimeError(f"the uninterrupted run failed:\n{err.decode()}")
+    events = _events(directory / "reference")
+    start = next(e["ts"] for e in events if e["event"] == "restore")
+    end = next(e["ts"] for e in events if e["event"] == "exit")
+    return torch.load(out), end - start
+
+
+def trial(
+    directory: Path, expected: list[Any], duration: float, kills: int, rng: random.Random, slow: float
+) -> tuple[bool, str, int]:
+    import torch
+
+    workspace, out = directory / "workspace", directory / "final.pt"
+    killed = 0
+    while True:
+        restores = _count(workspace, "restore")
+        process = _launch(workspace, out, slow)
+        if killed < kills:
+            # Kill at a random moment of the training itself, not while Python imports torch.
+            while process.poll() is None and _count(workspace, "restore") == restores:
+                time.sleep(0.02)
+            # Somewhere in what is left of the run: its length scaled by the steps still to go.
+            left = 1.0 - _last_step(workspace) / STEPS
+            time.sleep(rng.uniform(0.0, 0.9 * left * duration))
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+                process.wait(timeout=60)
+                killed += 1
+                continue
+        _, err = process.communicate(timeout=300)
+        if process.returncode != 0:
+            return False, f"run exited {process.returncode}: {err.decode()[-2000:]}", killed
+        break
+    events = _events(workspace)
+    skipped = [e for e in events if e["event"] == "checkpoint_skipped"]
+    if skipped:
+        return False, f"a checkpoint was skipped as incomplete: {skipped[0]['reason']}", killed
+    attempts = sorted({e["attempt"] for e in events})
+    for attempt in attempts[1:]:
+        mine = [e for e in events if e["attempt"] == attempt]
+        restores = [e for e in mine if e["event"] == "restore"]
+        if not restores:
+            continue  # killed before it got as far as RESTORE
+        loaded = [e for e in mine if e["event"] == "checkpoint_loaded"]
+        if restores[0]["resumed"] and not loaded:
+            return False, f"attempt {attempt} resumed without loading a checkpoint", killed
+    final = torch.load(out)
+    if not all(torch.equal(a, b) for a, b in zip(final, expected, strict=True)):
+        return False, "final parameters differ from the uninterrupted run", killed
+    loads = sum(e["event"] == "checkpoint_loaded" for e in events)
+    return True, f"{killed} kills, {len(attempts)} attempts, {loads} checkpoint loads", killed
+
+
+def run_trials(trials: int, kills: int, seed: int, slow: float, verbose: bool = True) -> tuple[int, int, int]:
+    """(passed, failed, SIGKILLs sent) over ``trials`` trials."""
+    rng = random.Random(seed)
+    passed = failed = total_kills = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp)
+        expected, duration = reference(base, slow)
+        for index in range(trials):
+            directory = base / f"trial{index}"
+            directory.mkdir()
+            ok, detail, killed = trial(directory, expected, duration, kills, rng, slow)
+            total_kills += killed
+            passed += ok
+            failed += not ok
+            if verbose:
+                print(f"trial {index}: {'passed' if ok else 'FAILED'} ({detail})", flush=True)
+    return passed, failed, total_kills
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--kills", type=int, default=2, help="SIGKILLs per trial before it may finish")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slow", type=float, default=0.03, help="seconds added to each checkpoint file's write")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workspace", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.workspace, args.out, args.slow)
+        return
+    passed, failed, kills = run_trials(args.trials, args.kills, args.seed, args.slow)
+    print(f"{kills} SIGKILLs sent")
+    print(f"{passed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main()

@@ -1,0 +1,21 @@
+"""Real processes, real SIGKILLs: resume is exact and never uses a partial checkpoint.
+
+``tests/faults/kill_resume.py --trials N`` runs the same for any N.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.faults import kill_resume
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL fault trials run on Linux")
+def test_sigkill_at_random_moments_then_resume_is_bitwise_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    passed, failed, kills = kill_resume.run_trials(trials=7, kills=3, seed=20261122, slow=0.03)
+    output = capsys.readouterr().out
+    assert failed == 0, output
+    assert passed == 7
+    assert kills >= 20, f"only {kills} kills landed while the process was alive\n{output}"
