@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few steps: a smoke run, not a measurement")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    small_steps, medium_steps = (200, 10) if args.quick else (4000, 300)
+    small_steps, medium_steps = (200, 10) if args.quick else (4000, 600)
     small = run_case("small", 128, 32, small_steps, warmup=50)
     medium = run_case("medium", 2048, 256, medium_steps, warmup=5)
     print(
