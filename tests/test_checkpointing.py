@@ -357,3 +357,67 @@ def test_a_path_already_under_a_relative_workspace_is_not_nested_twice(
     trainer.train()
     assert (tmp_path / "runs" / "exp" / "checkpoints" / "2" / "manifest.json").is_file()
     assert not (tmp_path / "runs" / "exp" / "runs").exists()
+
+
+def _resume(tmp_path: Path, steps: int = 9) -> Trainer:
+    trainer = Trainer(CheckpointingHook(interval=4), max_steps=steps, workspace=tmp_path)
+    trainer.train()
+    return trainer
+
+
+def test_a_manifest_copied_from_another_checkpoint_is_rejected(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    root = tmp_path / "checkpoints"
+    (root / "8" / "manifest.json").write_bytes((root / "4" / "manifest.json").read_bytes())
+    _resume(tmp_path)
+    assert "describes step 4, not 8" in events(tmp_path, "checkpoint_skipped")[0]["reason"]
+    assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 4
+
+
+def test_a_newer_complete_checkpoint_wins_over_a_stale_latest(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    root = tmp_path / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("4")  # the save of 8 died after its rename, before latest moved
+    _resume(tmp_path)
+    assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 8
+
+
+def test_a_step_named_directory_of_junk_is_skipped(tmp_path: Path) -> None:
+    run(tmp_path, 4)
+    junk = tmp_path / "checkpoints" / "100"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("not a checkpoint")
+    _resume(tmp_path)
+    assert events(tmp_path, "checkpoint_skipped")[0]["path"] == str(junk)
+    assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 4
+
+
+def test_a_latest_link_to_a_missing_directory_falls_back_to_the_newest_complete(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    root = tmp_path / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("12")
+    _resume(tmp_path)
+    assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 8
+
+
+def test_an_unwritable_checkpoint_directory_fails_the_save_and_keeps_the_old_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(tmp_path, 4)
+
+    mkdir = Path.mkdir
+
+    def read_only(self: Path, *args: Any, **kwargs: Any) -> None:
+        if self.parent.name == "checkpoints":  # as root, chmod would not stop us
+            raise PermissionError(13, "Permission denied", str(self))
+        mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(PermissionError):
+        _resume(tmp_path, steps=8)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "latest"]
+    CheckpointStore.verify(tmp_path / "checkpoints" / "4")
+    assert events(tmp_path)[-1]["reason"] == "failed"

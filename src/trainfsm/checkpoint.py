@@ -273,12 +273,12 @@ class CheckpointStore:
         return None
 
     def candidates(self) -> Iterator[Checkpoint]:
-        """Checkpoints to try for ``load="latest"``: the ``latest`` target first, then newest first."""
-        all_checkpoints = self.checkpoints()
-        name = self.latest_name()
-        first = [c for c in all_checkpoints if c.path.name == name]
-        yield from first
-        yield from (c for c in reversed(all_checkpoints) if c not in first)
+        """Checkpoints to try for ``load="latest"``, newest step first.
+
+        Not ``latest``'s target first: a save that died after its rename but before ``latest`` moved
+        leaves a newer complete checkpoint than the one ``latest`` names, and it is the one to use.
+        """
+        yield from reversed(self.checkpoints())
 
     # ------------------------------------------------------------------ verifying and loading
     @staticmethod
@@ -296,6 +296,12 @@ class CheckpointStore:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         if found != FORMAT or "files" not in manifest:
             raise CheckpointError(f"{manifest_path} has unknown format {found!r} (this trainfsm reads {FORMAT})")
+        parsed = parse_step(path.name)
+        if parsed is not None and manifest.get("step") != parsed[0]:
+            raise CheckpointError(
+                f"{manifest_path} describes step {manifest.get('step')!r}, not {parsed[0]} (a manifest from "
+                f"another checkpoint?)"
+            )
         for name, expected in manifest["files"].items():
             file = path / name
             if not file.is_file():
