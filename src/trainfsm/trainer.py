@@ -8,6 +8,7 @@ in BUILD (see ``trainfsm.machine`` for what fires where).
 from __future__ import annotations
 
 import platform
+import signal
 import time
 import traceback
 import warnings
@@ -19,11 +20,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from trainfsm import data_state, rng
+from trainfsm import data_state, rng, slurm
 from trainfsm import machine as fsm
 from trainfsm import validation as check
 from trainfsm.events import FORMAT_VERSION, EventLog, new_run_id, previous_attempt
 from trainfsm.hooks.base import BaseHook, overrides
+from trainfsm.signals import Agreement, ExitPolicy, SignalWatcher, exit_policy
 from trainfsm.step import Stepper, close_iterator
 from trainfsm.utils import is_distributed_wrapper, key_average, unwrap
 
@@ -95,6 +97,7 @@ class BaseTrainer:
         self.lr_scheduler: Any = None
         self.grad_scaler: torch.amp.GradScaler | None = None
         self.hooks: list[BaseHook] = []
+        self.exit_policy: ExitPolicy | None = None
         self._trained = False
 
     # ---------------------------------------------------------------- the user's contract
@@ -119,6 +122,18 @@ class BaseTrainer:
     def forward(self, input: Any) -> tuple[torch.Tensor | None, dict[str, Any]]:
         raise NotImplementedError(f"{type(self).__name__} must implement forward(input)")
 
+    def set_exit_signals(
+        self,
+        signals: Iterable[int | signal.Signals] | int | signal.Signals,
+        exit_code: int | str = "128+signal",
+        exit_wait: float | Any = 0.0,
+        requeue: bool | str = "auto",
+        max_requeues: int | None = None,
+    ) -> None:
+        """Exit cleanly on these signals, for runs that do not use ``CheckpointingHook``'s (or want
+        them from the very start of BUILD). Handlers are installed by ``train()``, not here."""
+        self.exit_policy = exit_policy("set_exit_signals()", signals, exit_code, exit_wait, requeue, max_requeues)
+
     # ---------------------------------------------------------------- driving the machine
     def train(self) -> None:
         """Run BUILD -> RESTORE -> steps -> EXIT. Exceptions take ``fail`` to EXIT, then re-raise."""
@@ -133,6 +148,10 @@ class BaseTrainer:
         fsm.bind(self._machine, "enter", fsm.STEP, self._begin_step)
         fsm.bind(self._machine, "enter", fsm.EXIT, self._finish_exit)
         self._machine.compile_events(self, self._events.transition_recorder)
+        self._signals = SignalWatcher(self)
+        self._agreement: Agreement | None = None
+        if self.exit_policy is not None:
+            self._signals.install(self.exit_policy.signals)
         runs: dict[str, Callable[[], Callable[[], bool] | None]] = {
             fsm.BUILD: self._run_build,
             fsm.RESTORE: self._run_restore,
@@ -149,9 +168,18 @@ class BaseTrainer:
                 trigger = runs[self.state]()
         except BaseException as exc:
             self._fail(exc)
+            self._signals.restore()
             raise
         finally:
             self._events.close()
+        if self.exit_reason == "preempted":
+            try:
+                if self.exit_policy is not None and self.exit_policy.wait and not self._requeued:
+                    self._signals.sleep(self.exit_policy.wait)  # e.g. let SLURM record TIMEOUT, not FAILED
+            finally:
+                self._signals.restore()
+            raise SystemExit(self.exit_code)
+        self._signals.restore()
         if self._exit_errors:  # EXIT's work failed after training completed: recorded, now raised
             raise self._exit_errors[0]
 
@@ -171,11 +199,14 @@ class BaseTrainer:
         )
         self.audit = self._events.log
         self._exit_errors: list[BaseException] = []
+        self._requeued = False
+        self.slurm = slurm.detect()
         self.audit.info(
             "run_start",
             format=FORMAT_VERSION,
             world_size=world,
             max_steps=self.max_steps,
+            slurm=self.slurm.as_event() if self.slurm else None,
             versions={"trainfsm": _version(), "torch": torch.__version__, "python": platform.python_version()},
             config={
                 "grad_clip": self.grad_clip,
@@ -231,11 +262,22 @@ class BaseTrainer:
             grad_clip=self.grad_clip,
             no_sync=no_sync if self.no_sync_accumulate and self.gradient_accumulation_steps > 1 else None,
         )
+        if self.exit_policy is None:  # the first hook that asks for exit signals (CheckpointingHook)
+            self.exit_policy = next(
+                (p for h in self.hooks if isinstance(p := getattr(h, "exit_policy", None), ExitPolicy) and p.signals),
+                None,
+            )
+        if self.exit_policy is not None:
+            installed = self._signals.install(self.exit_policy.signals)
+            if not installed and not self._signals.installed_any:
+                self.audit.warning("signals_not_installed", reason="train() is not running in the main thread")
+            if self.world_size > 1:
+                self._agreement = Agreement()
         self._data_resume: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
         self._batches = 0
         self._epoch_rng: dict[str, Any] | None = None
         self._bind_callbacks()
-        return self.built
+        return self._preempted_before_training() or self.built
 
     def _bind_callbacks(self) -> None:
         """Bind the trainer's bookkeeping first, then each hook's overridden methods, in list order."""
@@ -274,6 +316,9 @@ class BaseTrainer:
         # before the iterator exists, so a shuffling loader draws the same order it drew before.
         resumed = self.step > 0
         self.audit.info("restore", resumed=resumed, from_step=self.step)
+        preempted = self._preempted_before_training()
+        if preempted is not None:
+            return preempted
         if self.step >= self.max_steps:  # resumed from a finished run: nothing left to do
             self.exit_reason, self.exit_code = "completed", 0
             return self.finish
@@ -297,6 +342,8 @@ class BaseTrainer:
         self._records: list[Any] = []
         self._data_time = 0.0
         self._step_start = time.perf_counter()
+        if self._agreement is not None:  # overlaps the step's work; waited for in _after_step
+            self._agreement.start(self._signals.pending)
 
     def _run_step(self) -> Callable[[], bool]:
         return self.micro
@@ -349,12 +396,44 @@ class BaseTrainer:
         return self._after_step()
 
     def _after_step(self) -> Callable[[], bool]:
+        pending = self._agreement.result() if self._agreement is not None else self._signals.pending
         stop = any(ask() for ask in self._stop_askers) if self._stop_askers else False
-        if stop or self.step >= self.max_steps:
+        if pending:
+            self._agree_signal(pending)
+        elif stop or self.step >= self.max_steps:
             self.exit_reason, self.exit_code = ("stopped" if stop else "completed"), 0
         if self._checkpoint_askers and any(ask() for ask in self._checkpoint_askers):
             return self.save
         return self.finish if self.exit_reason else self.stepped
+
+    def _report_signals(self) -> None:
+        for arrival in self._signals.take_new():
+            self.audit.warning(
+                "signal_received",
+                signal=signal.Signals(arrival.signum).name,
+                received_at=arrival.at,
+                at_step=arrival.step,
+                at_state=arrival.state,
+            )
+
+    def _agree_signal(self, signum: int) -> None:
+        """All ranks saw ``signum`` pending at this step: checkpoint (if a hook wants), then EXIT."""
+        self._report_signals()
+        policy = self.exit_policy
+        self.exit_reason = "preempted"
+        self.exit_code = policy.exit_code(signum) if policy is not None else 128 + signum
+        self.audit.info("signal_agreed", signal=signal.Signals(signum).name, agreed_step=self.step)
+
+    def _preempted_before_training(self) -> Callable[[], bool] | None:
+        """A signal during BUILD or RESTORE: nothing worth saving exists yet; leave by ``preempt``."""
+        if not self._signals.pending:
+            return None
+        self._report_signals()
+        policy = self.exit_policy
+        signum = self._signals.pending
+        self.exit_reason = "preempted"
+        self.exit_code = policy.exit_code(signum) if policy is not None else 128 + signum
+        return self.preempt
 
     def _run_retry(self) -> Callable[[], bool]:
         self._stepper.discard()
@@ -388,7 +467,31 @@ class BaseTrainer:
         self._guarded(partial(close_iterator, iterator))
         if self.exit_reason is None or self._exit_errors:  # a failure, also one in EXIT's own work
             self.exit_reason, self.exit_code = "failed", 1
+        self._report_signals()
+        if self.exit_reason == "preempted" and self.rank == 0:
+            self._requeue()
         self.audit.info("exit", reason=self.exit_reason, code=self.exit_code)
+
+    def _requeue(self) -> None:
+        """After the checkpoint is durable (hooks' on_after_train waited for it): requeue the job."""
+        policy, job = self.exit_policy, self.slurm
+        if policy is None or job is None or policy.requeue is False:
+            return
+        if policy.requeue == "auto" and not slurm.is_batch_job(job.job_id):
+            return
+        if policy.max_requeues is not None and job.restart_count >= policy.max_requeues:
+            self.audit.error(
+                "requeue",
+                command=None,
+                ok=False,
+                message=f"not requeued: SLURM_RESTART_COUNT={job.restart_count} reached max_requeues="
+                f"{policy.max_requeues}",
+            )
+            return
+        result = slurm.requeue(job)
+        self._requeued = result.ok
+        log = self.audit.info if result.ok else self.audit.error
+        log("requeue", command=" ".join(result.command), ok=result.ok, message=result.message)
 
     def _guarded(self, callback: Callable[[], Any]) -> None:
         """Run an EXIT callback; a failure is recorded and raised after EXIT's work is done."""

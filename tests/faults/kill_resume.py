@@ -61,7 +61,8 @@ def child(workspace: Path, out: Path, slow: float) -> None:
             return torch.optim.Adam(self.model.parameters(), lr=0.01)  # type: ignore[union-attr]
 
         def build_hooks(self) -> list[Any]:
-            return [CheckpointingHook(interval=3, keep_previous=1)]
+            exit_signals = [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT]
+            return [CheckpointingHook(interval=3, keep_previous=1, exit_signals=exit_signals)]
 
         def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
             time.sleep(0.01)  # a step takes a while, like real work

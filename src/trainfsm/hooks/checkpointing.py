@@ -16,6 +16,7 @@ import torch
 from trainfsm import data_state, rng
 from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore, check_fits
 from trainfsm.hooks.base import BaseHook
+from trainfsm.signals import exit_policy
 from trainfsm.utils import map_nested_tensor
 
 if TYPE_CHECKING:
@@ -30,8 +31,10 @@ class CheckpointingHook(BaseHook):
     """Save every ``interval`` steps (and at ``keep_interval`` / ``keep_steps`` and at the end),
     keep the newest ``keep_previous + 1`` plus every kept one, and resume from ``load``.
 
-    ``exit_signals`` / ``exit_code`` / ``exit_wait`` describe what to do on a scheduler's signal
-    (checkpoint, then exit with ``128 + signal`` or the given code, after ``exit_wait`` seconds).
+    ``exit_signals`` / ``exit_code`` / ``exit_wait``: on one of these signals, finish the current
+    optimizer step, checkpoint, and exit with ``128 + signal`` (or ``exit_code``) after ``exit_wait``
+    seconds. ``requeue`` (``"auto"``: inside a SLURM batch job) puts the SLURM job back in the queue
+    once the checkpoint is durable, at most ``max_requeues`` times (counted by SLURM_RESTART_COUNT).
     ``data_resume`` says how the data iterator gets back to where it was (see ``trainfsm.data_state``).
     ``async_save`` stages the state to CPU memory and writes it on a background thread while
     training goes on: at most one save in flight, a failure raises at the next step or at EXIT, and
@@ -51,6 +54,8 @@ class CheckpointingHook(BaseHook):
         exit_wait: timedelta | float = 0.0,
         data_resume: str = "auto",
         async_save: bool = False,
+        requeue: bool | Literal["auto"] = "auto",
+        max_requeues: int | None = None,
     ) -> None:
         self.interval = _non_negative_int("interval", interval, minimum=1)
         self.keep_previous = _non_negative_int("keep_previous", keep_previous)
@@ -65,18 +70,12 @@ class CheckpointingHook(BaseHook):
         if load is not None and not isinstance(load, (str, Path)):
             raise TypeError(f"CheckpointingHook load must be 'latest', a path or None; got {load!r}.")
         self.load = load
-        self.exit_signals = _signals(exit_signals)
-        if exit_code != "128+signal" and (
-            isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 0 <= exit_code <= 255
-        ):
-            raise ValueError(
-                f"CheckpointingHook exit_code must be '128+signal' or an int in 0..255; got {exit_code!r}."
-            )
-        self.exit_code = exit_code
-        wait = exit_wait.total_seconds() if isinstance(exit_wait, timedelta) else exit_wait
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
-            raise ValueError(f"CheckpointingHook exit_wait must be seconds >= 0 or a timedelta; got {exit_wait!r}.")
-        self.exit_wait = float(wait)
+        self.exit_policy = exit_policy(
+            "CheckpointingHook", exit_signals, exit_code, exit_wait, requeue=requeue, max_requeues=max_requeues
+        )
+        self.exit_signals = self.exit_policy.signals
+        self.exit_code = self.exit_policy.code
+        self.exit_wait = self.exit_policy.wait
         if data_resume not in data_state.MODES:
             raise ValueError(f"CheckpointingHook data_resume must be one of {data_state.MODES}; got {data_resume!r}.")
         self.data_resume = data_resume
@@ -326,19 +325,3 @@ def _non_negative_int(name: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"CheckpointingHook {name} must be an int >= {minimum}; got {value!r}.")
     return value
-
-
-def _signals(value: Any) -> tuple[signal.Signals, ...]:
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, (int, signal.Signals)) else list(value)
-    out = []
-    for item in items:
-        try:
-            out.append(signal.Signals(item))
-        except (ValueError, TypeError):
-            raise ValueError(
-                f"CheckpointingHook exit_signals must be signal.Signals (e.g. signal.SIGTERM, signal.SIGUSR1); "
-                f"got {item!r}."
-            ) from None
-    return tuple(out)
