@@ -1,0 +1,268 @@
+"""Exit signals in-process: what the machine does for a signal in each state, and what it leaves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import TinyTrainer, read_events
+from trainfsm import BaseHook, CheckpointingHook
+from trainfsm.slurm import SlurmJob, detect, requeue, valid_job_id
+
+USR1 = signal.SIGUSR1
+
+
+def _kill_self(sig: signal.Signals = USR1) -> None:
+    os.kill(os.getpid(), sig)
+
+
+class SignalAt(BaseHook):
+    """Sends a signal to this process from inside a given state (or after a given step)."""
+
+    def __init__(self, state: str | None = None, step: int | None = None, sig: signal.Signals = USR1, times: int = 1):
+        self.state, self.at_step, self.sig, self.times = state, step, sig, times
+
+    def _fire(self) -> None:
+        for _ in range(self.times):
+            _kill_self(self.sig)
+        self.state = self.at_step = None  # once
+
+    def on_enter_restore(self, trainer: Any) -> None:
+        if self.state == "RESTORE":
+            self._fire()
+
+    def on_enter_checkpoint(self, trainer: Any) -> None:
+        if self.state == "CHECKPOINT":
+            self._fire()
+
+    def on_before_step(self, trainer: Any) -> None:
+        if self.at_step is not None and trainer.step == self.at_step:
+            self._fire()
+
+
+def outline(workspace: Path) -> list[str]:
+    names = []
+    for e in read_events(workspace):
+        if e["event"] == "transition":
+            names.append(f"{e['trigger']}:{e['source']}>{e['dest']}")
+        elif e["event"] in ("signal_received", "signal_agreed"):
+            names.append(f"{e['event']}:{e['signal']}")
+        elif e["event"] == "checkpoint_saved":
+            names.append(f"saved:{e['saved_step']}")
+        elif e["event"] == "exit":
+            names.append(f"exit:{e['reason']}:{e['code']}")
+    return names
+
+
+def trainer(tmp_path: Path, *hooks: BaseHook, steps: int = 6, **kwargs: Any) -> TinyTrainer:
+    checkpoint = CheckpointingHook(interval=100, exit_signals=[USR1, signal.SIGTERM, signal.SIGINT], **kwargs)
+    return TinyTrainer(max_steps=steps, workspace=tmp_path, hooks=[checkpoint, *hooks])
+
+
+def test_a_signal_mid_run_checkpoints_at_the_end_of_the_step_and_exits_128_plus_signal(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        trainer(tmp_path, SignalAt(step=3)).train()
+    assert info.value.code == 128 + USR1
+    names = outline(tmp_path)
+    agreed = names.index("signal_agreed:SIGUSR1")
+    assert names[agreed - 1] == "signal_received:SIGUSR1"
+    assert names[agreed + 1 :] == [
+        "save:ACCUMULATE>CHECKPOINT",
+        "saved:3",
+        "finish:CHECKPOINT>EXIT",
+        "exit:preempted:138",
+    ]
+    received = next(e for e in read_events(tmp_path) if e["event"] == "signal_received")
+    assert (received["at_step"], received["at_state"]) == (3, "STEP")
+    assert (tmp_path / "checkpoints" / "3" / "manifest.json").is_file()
+
+
+def test_the_resumed_run_finishes_with_the_same_parameters(tmp_path: Path) -> None:
+    straight = TinyTrainer(max_steps=6, workspace=tmp_path / "a")
+    straight.train()
+    with pytest.raises(SystemExit):
+        trainer(tmp_path / "b", SignalAt(step=3)).train()
+    resumed = trainer(tmp_path / "b")
+    resumed.train()
+    assert resumed.step == 6
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):  # type: ignore[union-attr]
+        assert torch.equal(a, b)
+
+
+def test_a_signal_during_build_exits_without_saving(tmp_path: Path) -> None:
+    class SignalInBuild(TinyTrainer):
+        def build_model(self) -> Any:
+            _kill_self()
+            return super().build_model()
+
+    run = SignalInBuild(max_steps=4, workspace=tmp_path)
+    run.set_exit_signals([USR1])
+    with pytest.raises(SystemExit) as info:
+        run.train()
+    assert info.value.code == 138
+    assert outline(tmp_path) == ["signal_received:SIGUSR1", "preempt:BUILD>EXIT", "exit:preempted:138"]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_signal_during_restore_exits_without_saving(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        trainer(tmp_path, SignalAt(state="RESTORE")).train()
+    assert outline(tmp_path) == [
+        "built:BUILD>RESTORE",
+        "signal_received:SIGUSR1",
+        "preempt:RESTORE>EXIT",
+        "exit:preempted:138",
+    ]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_signal_during_a_checkpoint_write_lets_the_write_finish(tmp_path: Path) -> None:
+    run = TinyTrainer(
+        max_steps=6,
+        workspace=tmp_path,
+        hooks=[SignalAt(state="CHECKPOINT"), CheckpointingHook(interval=2, keep_previous=1, exit_signals=[USR1])],
+    )
+    with pytest.raises(SystemExit):
+        run.train()
+    names = outline(tmp_path)
+    assert names.index("saved:2") < names.index("signal_agreed:SIGUSR1")
+    assert names[-3:] == ["saved:3", "finish:CHECKPOINT>EXIT", "exit:preempted:138"]
+    for step in ("2", "3"):
+        assert (tmp_path / "checkpoints" / step / "manifest.json").is_file()
+
+
+def test_two_signals_in_a_row_are_one_preemption(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        trainer(tmp_path, SignalAt(step=2, times=2)).train()
+    names = outline(tmp_path)
+    assert names.count("signal_received:SIGUSR1") == 2
+    assert names.count("signal_agreed:SIGUSR1") == 1
+    assert names.count("saved:2") == 1 and info.value.code == 138
+
+
+def test_sigterm_exits_with_143_and_a_custom_code_is_honoured(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        trainer(tmp_path / "a", SignalAt(step=2, sig=signal.SIGTERM)).train()
+    assert info.value.code == 143
+    with pytest.raises(SystemExit) as info:
+        trainer(tmp_path / "b", SignalAt(step=2), exit_code=0).train()
+    assert info.value.code == 0
+
+
+def test_a_second_sigint_stops_at_once(tmp_path: Path) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        trainer(tmp_path, SignalAt(step=2, sig=signal.SIGINT, times=2)).train()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on the way out
+
+
+def test_exit_wait_waits_and_a_further_signal_cuts_it_short(tmp_path: Path) -> None:
+    started = time.monotonic()
+    with pytest.raises(SystemExit):
+        trainer(tmp_path / "a", SignalAt(step=1), exit_wait=0.3).train()
+    assert time.monotonic() - started >= 0.3
+
+    class SignalDuringWait(BaseHook):
+        def on_after_train(self, trainer: Any) -> None:
+            import threading
+
+            threading.Timer(0.2, _kill_self, args=(signal.SIGTERM,)).start()
+
+    started = time.monotonic()
+    with pytest.raises(SystemExit):
+        trainer(tmp_path / "b", SignalAt(step=1), SignalDuringWait(), exit_wait=30).train()
+    assert time.monotonic() - started < 10
+
+
+def test_handlers_are_installed_by_train_and_restored_at_exit(tmp_path: Path) -> None:
+    before = signal.getsignal(USR1)
+    CheckpointingHook(interval=1, exit_signals=[USR1])  # constructing installs nothing
+    assert signal.getsignal(USR1) is before
+    seen: list[Any] = []
+
+    class Look(BaseHook):
+        def on_before_step(self, trainer: Any) -> None:
+            seen.append(signal.getsignal(USR1))
+
+    trainer(tmp_path, Look(), steps=2).train()
+    assert seen and all(h is not before and callable(h) for h in seen)
+    assert signal.getsignal(USR1) is before
+
+
+def test_handlers_are_restored_after_a_failure(tmp_path: Path) -> None:
+    before = signal.getsignal(USR1)
+    run = TinyTrainer(
+        max_steps=3,
+        workspace=tmp_path,
+        script={2: ValueError("boom")},
+        hooks=[CheckpointingHook(interval=10, exit_signals=[USR1])],
+    )
+    with pytest.raises(ValueError):
+        run.train()
+    assert signal.getsignal(USR1) is before
+
+
+def test_trainer_level_signals_without_a_checkpoint_hook_exit_preempted(tmp_path: Path) -> None:
+    run = TinyTrainer(max_steps=6, workspace=tmp_path, hooks=[SignalAt(step=2)])
+    run.set_exit_signals([USR1], exit_code=3)
+    with pytest.raises(SystemExit) as info:
+        run.train()
+    assert info.value.code == 3
+    assert outline(tmp_path)[-3:] == ["signal_agreed:SIGUSR1", "finish:ACCUMULATE>EXIT", "exit:preempted:3"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"signals": ["USR1"]}, "exit_signals must be signal.Signals"),
+        ({"signals": [USR1], "exit_code": -1}, "exit_code must be '128\\+signal' or an int in 0..255"),
+        ({"signals": [USR1], "exit_wait": "soon"}, "exit_wait must be seconds >= 0"),
+        ({"signals": [USR1], "requeue": "yes"}, "requeue must be True, False or 'auto'"),
+        ({"signals": [USR1], "max_requeues": -2}, "max_requeues must be an int >= 0 or None"),
+    ],
+)
+def test_bad_exit_signal_settings_are_named(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TinyTrainer(max_steps=1).set_exit_signals(**kwargs)
+
+
+def test_slurm_job_is_detected_from_the_environment() -> None:
+    env = {
+        "SLURM_JOB_ID": "1234",
+        "SLURM_ARRAY_JOB_ID": "1200",
+        "SLURM_ARRAY_TASK_ID": "7",
+        "SLURM_RESTART_COUNT": "2",
+        "SLURMD_NODENAME": "node1",
+        "SLURM_PROCID": "0",
+    }
+    job = detect(env)
+    assert job == SlurmJob("1234", "1200", "7", 2, "node1", "0")
+    assert job.requeue_id == "1200_7"
+    assert detect({}) is None
+
+
+def test_malformed_job_ids_never_reach_a_command_line() -> None:
+    assert valid_job_id("123") and valid_job_id("123_4")
+    for bad in ("", "12;rm -rf /", "12 13", "$(id)", "12_", "_3", "-1"):
+        assert not valid_job_id(bad)
+    result = requeue(SlurmJob("12;touch /tmp/x", None, None, 0, None, None))
+    assert not result.ok and "malformed" in result.message and result.command[-1] == "<invalid>"
+
+
+def test_a_missing_scontrol_is_a_clear_result(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    result = requeue(SlurmJob("42", None, None, 0, None, None))
+    assert not result.ok and "scontrol is not on PATH" in result.message
+
+
+def test_run_start_records_the_slurm_job(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    TinyTrainer(max_steps=1, workspace=tmp_path).train()
+    start = read_events(tmp_path)[0]
+    assert start["slurm"]["job_id"] == "77" and start["slurm"]["restart_count"] == 1
