@@ -30,10 +30,6 @@ FINAL_STATES = frozenset(
 )
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slurm: needs the real one-node SLURM cluster of tests/slurm/cluster.sh")
-
-
 @dataclass
 class SlurmCluster:
     """A running cluster: ``env`` is the environment its clients need, ``state_dir`` holds its config and logs."""
