@@ -1,0 +1,122 @@
+"""Two gloo ranks in separate processes; SIGUSR1 goes to rank 1 only. Both must save at the same
+step and exit with 138, and neither may hang. Used by tests/test_distributed_signals.py.
+
+    python tests/faults/two_ranks.py --workspace /tmp/two   # runs the scenario and prints a summary
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+
+
+def child(rank: int, world: int, port: int, workspace: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainfsm import BaseTrainer, CheckpointingHook
+
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=30)
+    )
+
+    class Trainer(BaseTrainer):
+        def build_data_loader(self) -> Any:
+            g = torch.Generator().manual_seed(rank)
+            return [(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(10)]
+
+        def build_model(self) -> nn.Module:
+            torch.manual_seed(0)
+            return DistributedDataParallel(nn.Linear(4, 1))
+
+        def build_optimizer(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.model.parameters(), lr=0.01)  # type: ignore[union-attr]
+
+        def build_hooks(self) -> list[Any]:
+            return [CheckpointingHook(interval=1000, exit_signals=[signal.SIGUSR1])]
+
+        def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+            time.sleep(0.02)
+            x, y = input
+            return nn.functional.mse_loss(self.model(x), y), {}  # type: ignore[misc]
+
+    try:
+        Trainer(max_steps=500, workspace=workspace, device="cpu").train()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def events(workspace: Path, rank: int) -> list[dict[str, Any]]:
+    path = workspace / "logs" / f"events.rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def scenario(workspace: Path, timeout: float = 90.0) -> dict[str, Any]:
+    """Run it; returns exit codes per rank, and which ranks hung (killed after ``timeout``)."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE), "--child", str(rank), "--port", str(port), "--workspace", str(workspace)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
+    deadline = time.monotonic() + timeout
+    while not all(any(e["event"] == "restore" for e in events(workspace, r)) for r in range(2)):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    signalled_at = time.monotonic()
+    procs[1].send_signal(signal.SIGUSR1)
+    codes: dict[int, int | None] = {}
+    hung = []
+    for rank, proc in enumerate(procs):
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            codes[rank] = proc.returncode
+        except subprocess.TimeoutExpired:
+            hung.append(rank)
+            proc.kill()
+            proc.wait()
+            codes[rank] = None
+    stderr = {rank: proc.stderr.read().decode()[-2000:] if proc.stderr else "" for rank, proc in enumerate(procs)}
+    return {"codes": codes, "hung": hung, "seconds": time.monotonic() - signalled_at, "stderr": stderr}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--workspace", type=Path, required=True)
+    args = parser.parse_args()
+    if args.child is not None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        child(args.child, 2, args.port, args.workspace)
+        return
+    result = scenario(args.workspace)
+    print(json.dumps({k: v for k, v in result.items() if k != "stderr"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Agreement across ranks: a signal that reached one rank stops both at the same step, without a hang."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.faults.two_ranks import events, scenario
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+
+
+def test_signal_to_rank_1_only_makes_both_ranks_save_at_the_same_step_and_exit(tmp_path: Path) -> None:
+    result = scenario(tmp_path, timeout=90)
+    assert not result["hung"], f"rank(s) {result['hung']} hung; stderr: {result['stderr']}"
+    assert result["codes"] == {0: 138, 1: 138}, result["stderr"]
+    agreed = {rank: [e for e in events(tmp_path, rank) if e["event"] == "signal_agreed"] for rank in (0, 1)}
+    assert len(agreed[0]) == len(agreed[1]) == 1
+    step = agreed[0][0]["agreed_step"]
+    assert agreed[1][0]["agreed_step"] == step
+    received = {rank: [e for e in events(tmp_path, rank) if e["event"] == "signal_received"] for rank in (0, 1)}
+    assert received[0] == [] and len(received[1]) == 1  # only rank 1 got it; rank 0 learned it by all-reduce
+    saved = [e for e in events(tmp_path, 0) if e["event"] == "checkpoint_saved"]
+    assert [e["saved_step"] for e in saved] == [step]
+    assert (tmp_path / "checkpoints" / str(step) / "manifest.json").is_file()
+    for rank in (0, 1):
+        exits = [e for e in events(tmp_path, rank) if e["event"] == "exit"]
+        assert [(e["reason"], e["code"], e["step"]) for e in exits] == [("preempted", 138, step)]
