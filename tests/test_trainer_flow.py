@@ -777,3 +777,25 @@ def test_load_state_dict_lets_the_optimizer_have_the_last_word_on_learning_rates
     trainer.train()  # resumes at max_steps: loads, then finishes
     assert trainer.optimizer.param_groups[0]["lr"] == 0.025
     assert trainer.lr_scheduler.last_epoch == 2
+
+
+def test_log_scalars_and_on_log_scalars_are_aliases_of_log_and_on_log(make_trainer) -> None:
+    from trainfsm import BaseHook
+
+    seen: list[tuple[str, dict]] = []
+
+    class Old(BaseHook):
+        def on_log_scalars(self, trainer, records, dry_run=False):
+            seen.append(("old", records))
+
+    class New(BaseHook):
+        def on_log(self, trainer, records, dry_run=False):
+            seen.append(("new", records))
+
+    class Logs(BaseHook):
+        def on_after_step(self, trainer):
+            trainer.log({"a": 1})
+            trainer.log_scalars({"b": 2})
+
+    make_trainer(max_steps=1, hooks=[Old(), New(), Logs()]).train()
+    assert seen == [("old", {"a": 1}), ("new", {"a": 1}), ("old", {"b": 2}), ("new", {"b": 2})]

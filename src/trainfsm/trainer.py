@@ -607,6 +607,8 @@ class BaseTrainer:
         for hook in self.hooks:
             hook.on_log(self, records, dry_run)
 
+    log_scalars = log  # the other published spelling
+
     def log_images(self, records: dict[str, Any], dry_run: bool = False) -> None:
         for hook in self.hooks:
             hook.on_log_images(self, records, dry_run)

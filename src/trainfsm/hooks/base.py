@@ -33,7 +33,12 @@ class BaseHook:
         """After the optimizer step; ``trainer.step_info`` holds the step's stats."""
 
     def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
-        """``trainer.log(records)`` was called."""
+        """``trainer.log(records)`` was called. By default this calls ``on_log_scalars``, the other
+        published spelling, so a hook written for either runs unchanged."""
+        self.on_log_scalars(trainer, records, dry_run)
+
+    def on_log_scalars(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
+        """Alias of ``on_log`` (override one of the two)."""
 
     def on_log_images(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
         """``trainer.log_images(records)`` was called."""
