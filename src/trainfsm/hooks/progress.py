@@ -1,0 +1,150 @@
+"""``ProgressHook``: one line per interval on rank 0's stdout.
+
+::
+
+    Step   100/10000: step 0.2500s data 0.0100s eta 6:00:00 loss 0.5234 grad_norm 2.3456 lr_0 1.00e-03
+
+Fields, each averaged over the interval (see ``trainfsm.hooks.stats``): ``step`` and ``data``
+seconds per step; ``eta`` as ``H:MM:SS`` (hours may exceed 24), or ``eta -`` until it is known;
+``mem`` (the interval's peak GiB, only when a hook such as ``CudaMaxMemoryHook`` put
+``step_info["max_memory"]`` there first); ``loss``; ``grad_norm`` (only with ``grad_clip``, which
+computes it); ``lr_<i>`` per param group. With ``with_records`` the user's records follow after
+`` | `` as ``key value`` pairs, nested keys joined by ``/``, values with 4 decimals (``.3e`` below
+0.001 or from 100000 on, where 4 decimals would hide the value or flood the line).
+``show_units=False`` drops the ``s`` and ``GiB`` suffixes. Retries are not on the line: each one
+is already a ``non_finite`` warning on the console.
+
+The line goes through ``print(..., flush=True)``, not the trainer's logger: it is the progress
+display, which the contract puts on stdout, and a library must not configure logging handlers,
+so through an unconfigured ``logging`` INFO would print nothing. Decision events (checkpoints,
+retries, signals) are on the trainer's logger already.
+
+ETA: the wall-clock rate since this attempt's ``eta_warmup``-th step, times the steps left. The
+first steps (compilation, cache warm-up, a checkpoint load) run slower and would mislead it. The
+warm-up counts steps of this attempt, so a resumed run waits ``eta_warmup`` steps again and never
+divides by steps it did not time; nothing needs saving for that. A line is printed at every
+``interval``-th step and at the run's last step (completed, stopped or preempted), so the tail of
+a run is never lost; the first interval after a resume averages the steps it saw.
+
+State: none worth saving. Only rank 0 prints; with ``sync=False`` the other ranks do no work at
+all, with ``sync=True`` they take part in the interval's one collective.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from trainfsm import validation as check
+from trainfsm.hooks.base import BaseHook
+from trainfsm.hooks.stats import IntervalStats, IntervalSummary
+
+if TYPE_CHECKING:
+    from trainfsm.trainer import BaseTrainer
+
+
+class ProgressHook(BaseHook):
+    """Print a progress line every ``interval`` steps (and at the last step) on rank 0.
+
+    ``with_records`` appends the user's averaged records; ``sync`` averages across ranks first (one
+    collective per interval); ``eta_warmup`` steps of this attempt pass before the ETA is shown;
+    ``show_units`` prints ``s`` / ``GiB`` after times and memory.
+    """
+
+    def __init__(
+        self,
+        interval: int = 1,
+        with_records: bool = False,
+        sync: bool = False,
+        eta_warmup: int = 10,
+        show_units: bool = True,
+    ) -> None:
+        self.interval: int = check.positive_int("ProgressHook interval", interval)  # type: ignore[assignment]
+        self.with_records = check.boolean("ProgressHook with_records", with_records)
+        self.sync = check.boolean("ProgressHook sync", sync)
+        self.eta_warmup: int = check.positive_int(  # type: ignore[assignment]
+            "ProgressHook eta_warmup", eta_warmup, minimum=0
+        )
+        self.show_units = check.boolean("ProgressHook show_units", show_units)
+        self._seconds = "s" if show_units else ""
+        self._gib = "GiB" if show_units else ""
+        self._stats = IntervalStats("ProgressHook", sync=self.sync, records=self.with_records)
+        self._add = self._stats.add
+        self._add_lrs = self._stats.add_lrs
+        self._clock = time.perf_counter
+        self._active = True  # does this rank collect at all
+        self._prints = True  # is this rank the one that prints
+        self._max_steps = 0
+        self._width = 1
+        self._eta_step = 0  # the step after which the ETA clock starts
+        self._eta_start: float | None = None
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        self._prints = trainer.rank == 0
+        self._active = self._prints or self.sync
+        self._stats.start(trainer)
+        self._max_steps = trainer.max_steps
+        self._width = len(str(trainer.max_steps))
+        self._eta_step = trainer.step + self.eta_warmup
+        self._eta_start = self._clock() if self.eta_warmup == 0 else None
+
+    def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
+        if self._active:
+            self._add_lrs()
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        if not self._active:
+            return
+        self._add(trainer.step_info)
+        step = trainer.step
+        if step == self._eta_step:
+            self._eta_start = self._clock()
+        if step % self.interval == 0 or trainer.exit_reason is not None:
+            summary = self._stats.summarize(step)  # the interval's host sync (and collective)
+            if self._prints:
+                print(self.format(summary), flush=True)
+
+    def format(self, summary: IntervalSummary) -> str:
+        """The progress line for ``summary`` (ETA as of now)."""
+        s = self._seconds
+        step = summary.step
+        parts = [
+            f"Step {step:>{self._width}}/{self._max_steps}:",
+            f"step {summary.step_time:.4f}{s}",
+            f"data {summary.data_time:.4f}{s}",
+            f"eta {self._eta(step)}",
+        ]
+        if summary.max_memory is not None:
+            parts.append(f"mem {summary.max_memory:.2f}{self._gib}")
+        parts.append(f"loss {summary.loss:.4f}")
+        if summary.grad_norm is not None:
+            parts.append(f"grad_norm {summary.grad_norm:.4f}")
+        parts.extend(f"lr_{i} {lr:.2e}" for i, lr in enumerate(summary.lrs))
+        line = " ".join(parts)
+        if self.with_records:
+            records = summary.flat_records()
+            if records:
+                line += " | " + " ".join(f"{key} {_number(value)}" for key, value in records.items())
+        return line
+
+    def _eta(self, step: int) -> str:
+        start = self._eta_start
+        if start is None or step <= self._eta_step:
+            return "-"
+        per_step = (self._clock() - start) / (step - self._eta_step)
+        return clock_format(per_step * (self._max_steps - step))
+
+
+def _number(value: float) -> str:
+    """A record's value: 4 decimals like the loss, scientific where those would hide it."""
+    if value == 0 or 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4f}"
+    return f"{value:.3e}"
+
+
+def clock_format(seconds: float) -> str:
+    """``H:MM:SS``, hours unbounded: ``clock_format(108000) == "30:00:00"``."""
+    total = max(0, round(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
