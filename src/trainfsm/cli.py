@@ -1,19 +1,22 @@
 """The ``trainfsm`` command. Thin: parse arguments, call the library, map outcomes to exit codes.
 
-Exit codes (every subcommand): 0 success; 1 failure (the run failed, or an optional dependency is
-missing); 2 usage error or unreadable input. Subcommands import their heavier dependencies
-(scikit-learn, graphviz) only when they run.
+Exit codes (every subcommand): 0 success; 1 failure (the run failed, the trail is inconsistent, the
+checkpoint is invalid, or an optional dependency is missing); 2 usage error or unreadable input.
+Each subcommand's help lists its own. Subcommands import their heavier dependencies (scikit-learn,
+graphviz, matplotlib) only when they run; the work is done by the library (``trainfsm.audit``,
+``trace``, ``plot``, ``inspect_checkpoint``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from trainfsm import __version__, diagram
 
@@ -24,7 +27,8 @@ EXIT_USAGE: Final = 2
 EXIT_CODES_HELP: Final = """\
 exit codes:
   0  success
-  1  failure (the run failed, or an optional dependency is missing)
+  1  failure (the run failed, the trail is inconsistent, the checkpoint is
+     invalid, or an optional dependency is missing; see each command's help)
   2  usage error or unreadable input"""
 
 
@@ -96,7 +100,128 @@ def _parser() -> argparse.ArgumentParser:
     add("--format", choices=diagram.FORMATS, help="output format (default: from -o's suffix, else mermaid)")
     add("-o", "--output", type=Path, metavar="PATH", help="write to PATH instead of standard output")
     diagram_parser.set_defaults(run=_diagram)
+    _add_trail_commands(commands, raw)
     return parser
+
+
+AUDIT_DESCRIPTION: Final = """\
+Replay a run's audit trail against the machine's table and report what happened:
+per attempt (a launch or a restart) whether it resumed, the steps done,
+micro-batches, non-finite retries, checkpoints saved/loaded/skipped, signals
+(which, when, the step all ranks agreed on) and the exit reason and code.
+
+It checks every transition (each attempt starts in BUILD; a transition's source
+must be the current state and (trigger, source, dest) a row of the table), that
+step numbers rise by exactly one from the restored checkpoint's step + 1, that
+every attempt exited, and that the ranks of an attempt agree. Problems are
+listed with FILE:LINE.
+
+Give a run directory (its logs/events.rank*.jsonl are read: all ranks) or event
+files. A cut-off last line (a killed writer) is noted and tolerated. --json
+prints the report as one JSON object, schema trainfsm.audit/1 (documented in
+the trainfsm.audit module)."""
+
+AUDIT_EXIT_CODES: Final = """\
+exit codes:
+  0  the trail is consistent
+  1  it is not: an illegal transition, a step gap, an attempt without exit
+     (killed?), ranks that disagree (each listed with FILE:LINE)
+  2  usage error, or unreadable input: a missing or empty file, a line that is
+     not a JSON event, events of an unknown format version (FILE:LINE named)"""
+
+TRACE_DESCRIPTION: Final = """\
+The failure story of a run: for each failed, preempted or killed attempt, the
+last N events on each rank before the end, the state and step where the trail
+ends, every exception with its traceback, and what the next attempt did
+(resumed from which checkpoint, or started afresh)."""
+
+TRACE_EXIT_CODES: Final = """\
+exit codes:
+  0  the story was told (also when every attempt completed: it says so)
+  2  usage error, or unreadable input (the file and line are named)"""
+
+PLOT_DESCRIPTION: Final = """\
+Draw the run: one band per rank over wall-clock time, coloured by state, with
+checkpoints, retries, signals, exceptions and restarts marked; below it, loss
+and learning-rate curves when the trail has them (it records none today: the
+timeline is then drawn alone, and the command says so).
+
+Needs matplotlib: pip install 'trainfsm[plot]'."""
+
+PLOT_EXIT_CODES: Final = """\
+exit codes:
+  0  the picture was written
+  1  matplotlib is missing, or the output cannot be written
+  2  usage error, or unreadable input (the file and line are named)"""
+
+INSPECT_DESCRIPTION: Final = """\
+Verify a checkpoint (its manifest, the files it lists, their sizes and sha256
+checksums) and print what is inside: files and sizes, step, the versions that
+wrote it, the model's parameter names, shapes and dtypes, the optimizer's state
+and param groups, scheduler and grad-scaler keys, and hooks' state.
+
+CHECKPOINT_DIR is a checkpoint (checkpoints/1000), a checkpoint store (its
+`latest`), or a workspace (its checkpoints/latest). Files are loaded with
+torch.load(weights_only=True) only after they verified."""
+
+INSPECT_EXIT_CODES: Final = """\
+exit codes:
+  0  the checkpoint is intact
+  1  it is not: incomplete, truncated, corrupted, or unloadable (the problem is
+     printed)
+  2  usage error, or no checkpoint at that path"""
+
+
+def _add_trail_commands(commands: Any, raw: type[argparse.HelpFormatter]) -> None:
+    """The commands that read what a run left behind: its audit trail and its checkpoints."""
+    trail_help = "a run directory (workspace) or events.rank*.jsonl files"
+    audit_parser = commands.add_parser(
+        "audit",
+        help="replay a run's audit trail against the machine and report attempts, steps and problems",
+        description=AUDIT_DESCRIPTION,
+        epilog=AUDIT_EXIT_CODES,
+        formatter_class=raw,
+    )
+    audit_parser.add_argument("inputs", nargs="+", type=Path, metavar="RUN_DIR_OR_EVENTS", help=trail_help)
+    audit_parser.add_argument("--json", action="store_true", help="print the report as JSON (trainfsm.audit/1)")
+    audit_parser.set_defaults(run=_audit)
+
+    trace_parser = commands.add_parser(
+        "trace",
+        help="the story of each failed, preempted or killed attempt: last events, exception, what came next",
+        description=TRACE_DESCRIPTION,
+        epilog=TRACE_EXIT_CODES,
+        formatter_class=raw,
+    )
+    trace_parser.add_argument("inputs", nargs="+", type=Path, metavar="RUN_DIR", help=trail_help)
+    trace_parser.add_argument(
+        "-n", "--events", type=_positive_int, default=10, metavar="N", help="events shown per rank (default: 10)"
+    )
+    trace_parser.set_defaults(run=_trace)
+
+    plot_parser = commands.add_parser(
+        "plot",
+        help="draw the run: states per rank over time, checkpoints, retries, signals, restarts",
+        description=PLOT_DESCRIPTION,
+        epilog=PLOT_EXIT_CODES,
+        formatter_class=raw,
+    )
+    plot_parser.add_argument("inputs", nargs="+", type=Path, metavar="RUN_DIR", help=trail_help)
+    plot_parser.add_argument(
+        "-o", "--output", type=Path, default=Path("run.png"), metavar="PATH", help="image to write (default: run.png)"
+    )
+    plot_parser.add_argument("--title", help="the figure's title (default: the run directory)")
+    plot_parser.set_defaults(run=_plot)
+
+    inspect_parser = commands.add_parser(
+        "inspect",
+        help="verify a checkpoint's manifest and checksums and print what is inside",
+        description=INSPECT_DESCRIPTION,
+        epilog=INSPECT_EXIT_CODES,
+        formatter_class=raw,
+    )
+    inspect_parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT_DIR")
+    inspect_parser.set_defaults(run=_inspect)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("trainfsm: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `trainfsm audit ... | head`: the reader left; say nothing more
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes stdout at exit
+        return EXIT_OK
     return code
 
 
@@ -168,6 +296,76 @@ def _diagram(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except OSError as exc:
         _error("diagram", f"cannot write {args.output}: {exc}")
         return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from trainfsm import audit
+    from trainfsm.trail import TrailError
+
+    try:
+        report = audit.audit(args.inputs)
+    except TrailError as exc:
+        _error("audit", str(exc))
+        return EXIT_USAGE
+    print(report.to_json() if args.json else audit.render(report))
+    return EXIT_OK if report.consistent else EXIT_FAILURE
+
+
+def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from trainfsm import trace
+    from trainfsm.trail import TrailError
+
+    try:
+        report = trace.trace(args.inputs, events=args.events)
+    except TrailError as exc:
+        _error("trace", str(exc))
+        return EXIT_USAGE
+    print(trace.render(report))
+    return EXIT_OK
+
+
+def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from trainfsm import plot
+    from trainfsm.trail import TrailError
+
+    title = args.title or ", ".join(str(path) for path in args.inputs)
+    try:
+        result = plot.plot(args.inputs, args.output, title=title)
+    except TrailError as exc:
+        _error("plot", str(exc))
+        return EXIT_USAGE
+    except plot.PlotError as exc:
+        _error("plot", str(exc))
+        return EXIT_FAILURE
+    except OSError as exc:
+        _error("plot", f"cannot write {args.output}: {exc}")
+        return EXIT_FAILURE
+    for note in result.notes:
+        print(f"note: {note.where()}: {note.message}", file=sys.stderr)
+    ranks, attempts = len(result.ranks), result.attempts
+    print(
+        f"wrote {result.path} ({result.width}x{result.height} px): {ranks} rank{'s' * (ranks != 1)}, "
+        f"{attempts} attempt{'s' * (attempts != 1)}"
+    )
+    if not result.metrics:
+        print("the trail has no loss or learning rate (no event carries 'loss' or 'lr'): drew the timeline only")
+    return EXIT_OK
+
+
+def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from trainfsm import inspect_checkpoint
+    from trainfsm.checkpoint import CheckpointError
+
+    try:
+        found = inspect_checkpoint.inspect(args.checkpoint)
+    except inspect_checkpoint.CheckpointNotFound as exc:
+        _error("inspect", str(exc))
+        return EXIT_USAGE
+    except CheckpointError as exc:
+        _error("inspect", f"INVALID: {exc}")
+        return EXIT_FAILURE
+    print(inspect_checkpoint.render(found))
     return EXIT_OK
 
 

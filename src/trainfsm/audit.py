@@ -1,0 +1,716 @@
+"""``trainfsm audit``: replay a run's audit trail against the machine's table and say what happened.
+
+The trail is replayed per rank and attempt (an attempt is one process lifetime: a launch or a
+restart; ranks of one launch share its number). Each attempt starts in BUILD; every transition's
+source must be the state the replay is in and (trigger, source, dest) must be a row of
+``trainfsm.machine.transition_rows()``. Every event also carries the trainer's step and state at
+the moment it was written, which the replay checks against its own:
+
+- the trainer advances ``step`` on entering STEP, so a transition into STEP records the old step
+  and everything after it the new one: step numbers rise by exactly one per step;
+- in RESTORE the step may jump to the restored checkpoint's step (``checkpoint_loaded``); the
+  ``restore`` event states where training resumes (``from_step``, 0 for a fresh start), so the first
+  step of an attempt is ``from_step + 1``.
+
+Transitions are written in batches, always before the next other event, so a process killed with
+SIGKILL may lose the transitions after its last decision event: the trail is then a clean prefix of
+what happened. Such an attempt has no ``exit`` event; it is reported once as ``missing_exit``
+("killed?") and its missing tail is not an illegal transition.
+
+Problems (any makes the trail inconsistent, exit 1), by ``kind``:
+
+- ``illegal_transition``: a transition that is not a row of the table, or whose source is not the
+  replayed state;
+- ``state_mismatch``: an event written in another state than the replay is in (a lost line);
+- ``gap``: a step number that jumps, or an attempt that does not start at its checkpoint's step + 1;
+- ``missing_exit``: an attempt that ends without an ``exit`` event (killed?);
+- ``rank_disagreement``: ranks of one attempt that differ in steps done, retry steps, checkpoint
+  steps, restored step, agreed signal step, or exit reason/code (compared only when every rank has
+  its exit event: a killed rank's tail is not evidence);
+- ``malformed``: events out of order (after ``exit``, an attempt number going back, an unknown exit
+  reason).
+
+``--json`` prints one object (schema ``trainfsm.audit/1``; fields are only ever added)::
+
+    {"schema": "trainfsm.audit/1",
+     "consistent": bool,                      # true iff "problems" is empty (exit code 0)
+     "files": [{"path": str, "ranks": [int], "events": int}],
+     "attempts": [{                           # by attempt number
+        "attempt": int,
+        "ranks": [int],
+        "start": "launch" | "resume" | null,  # null: ended before RESTORE said
+        "resumed_from_step": int | null,
+        "first_step": int | null, "last_step": int | null,   # first begun, last completed
+        "steps_done": int,                    # optimizer steps completed in this attempt
+        "micro_batches": int,                 # forward/backward passes begun (entries into ACCUMULATE)
+        "loss_none": int,                     # micro-batches whose forward returned loss=None
+        "retries": [{"step": int, "retry": int}],   # non-finite gradients: the step ran again
+        "scaler_skips": [int],                # steps whose optimizer step the fp16 scaler skipped
+        "checkpoint_steps": [int],            # steps after which the machine entered CHECKPOINT
+        "checkpoints": {
+          "saved":   [{"step": int, "path": str, "kept": bool, "asynchronous": bool, "bytes": int}],
+          "loaded":  [{"step": int, "path": str}],
+          "skipped": [{"path": str, "reason": str}],
+          "failed":  [{"type": str, "message": str}]},
+        "signals": {
+          "received": [{"rank": int, "signal": str, "at_step": int|null, "at_state": str|null, "ts": float}],
+          "agreed": {"signal": str, "step": int} | null},
+        "exceptions": [{"rank": int, "type": str, "message": str, "file": str, "line": int}],
+        "requeue": {"ok": bool, "command": str|null, "message": str} | null,
+        "exit": {"reason": str, "code": int} | null,   # null: no exit event on the first rank
+        "killed": bool,                       # some rank has no exit event
+        "end": {"state": str, "step": int},   # where the first rank's trail of this attempt ends
+        "started_at": float, "ended_at": float,       # epoch seconds, all ranks
+        "per_rank": [{"rank", "file", "run_id", "world_size", "events", "first_step", "last_step",
+                      "steps_done", "micro_batches", "retry_steps", "checkpoint_steps",
+                      "loaded_step", "agreed_step", "exit", "end", "started_at", "ended_at"}]}],
+     "problems": [{"kind": str, "message": str, "file": str|null, "line": int|null,
+                   "rank": int|null, "attempt": int|null}],
+     "notes": [{"message": str, "file": str|null, "line": int|null}]}
+
+Attempt-level values are those of the attempt's lowest rank, except ``checkpoints.saved``,
+``skipped`` and ``failed`` (rank 0 writes checkpoints), ``signals.received`` and ``exceptions``,
+which gather all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from trainfsm import machine as fsm
+from trainfsm.events import EXIT_REASONS
+from trainfsm.trail import Note, Record, Trail, TrailError, open_trail, read_records
+
+SCHEMA: Final = "trainfsm.audit/1"
+PROBLEM_KINDS: Final = (
+    "illegal_transition",
+    "state_mismatch",
+    "gap",
+    "missing_exit",
+    "rank_disagreement",
+    "malformed",
+)
+
+#: The machine's table as the trainer runs it: (trigger, source, dest) rows.
+_TABLE: Final = frozenset(fsm.transition_rows())
+
+#: Triggers that leave ACCUMULATE with the optimizer step applied (or skipped by the scaler).
+_STEP_DONE: Final = frozenset({"stepped", "save", "finish"})
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One inconsistency, pointing at the line that shows it."""
+
+    kind: str
+    message: str
+    file: str | None = None
+    line: int | None = None
+    rank: int | None = None
+    attempt: int | None = None
+
+    def where(self) -> str:
+        if self.file is None:
+            return ""
+        return f"{self.file}:{self.line}" if self.line is not None else self.file
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "message": self.message,
+            "file": self.file,
+            "line": self.line,
+            "rank": self.rank,
+            "attempt": self.attempt,
+        }
+
+
+@dataclass(slots=True)
+class RankAttempt:
+    """What one rank did in one attempt, as replayed from its trail."""
+
+    rank: int
+    attempt: int
+    file: str
+    run_id: str | None = None
+    world_size: int | None = None
+    events: int = 0
+    start: str | None = None
+    resumed_from_step: int | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    steps_done: int = 0
+    micro_batches: int = 0
+    loss_none: int = 0
+    retries: list[dict[str, Any]] = field(default_factory=list)
+    scaler_skips: list[int] = field(default_factory=list)
+    checkpoint_steps: list[int] = field(default_factory=list)
+    saved: list[dict[str, Any]] = field(default_factory=list)
+    loaded: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    received: list[dict[str, Any]] = field(default_factory=list)
+    agreed: dict[str, Any] | None = None
+    exceptions: list[dict[str, Any]] = field(default_factory=list)
+    requeue: dict[str, Any] | None = None
+    exit: dict[str, Any] | None = None
+    exit_line: int | None = None
+    end_state: str = fsm.BUILD
+    end_step: int = 0
+    end_line: int = 0
+    started_at: float = 0.0
+    ended_at: float = 0.0
+
+
+class _Replay:
+    """Folds one rank's events of one attempt into a ``RankAttempt``, recording problems on the way.
+
+    ``state`` and ``step`` are the machine's state and the trainer's step as the replay has them;
+    each event is checked against them, then applied.
+    """
+
+    def __init__(self, first: Record, problems: list[Problem]) -> None:
+        self.result = RankAttempt(rank=first.rank, attempt=first.attempt, file=first.file, started_at=first.ts)
+        self.problems = problems
+        self.state = fsm.BUILD
+        self.step = 0
+
+    def problem(self, kind: str, record: Record, message: str) -> None:
+        self.problems.append(Problem(kind, message, record.file, record.line, record.rank, record.attempt))
+
+    def feed(self, record: Record) -> None:
+        result = self.result
+        if result.exit is not None:
+            self.problem("malformed", record, f"{record.name} after the exit event of attempt {record.attempt}")
+        result.events += 1
+        result.ended_at = record.ts
+        result.end_line = record.line
+        if record.name == "transition":
+            self._transition(record)
+        else:
+            self._check_position(record)
+            handler = _HANDLERS.get(record.name)
+            if handler is not None:
+                handler(self, record)
+        result.end_state, result.end_step = self.state, self.step
+
+    # ---------------------------------------------------------------- checks
+    def _check_step(self, record: Record) -> None:
+        if record.step == self.step or self.state == fsm.RESTORE:
+            self.step = record.step  # RESTORE: the restored checkpoint's step arrives here
+            return
+        expected = self.step
+        missing = f" (step {expected} missing)" if record.step == expected + 1 else ""
+        self.problem("gap", record, f"step jumps from {expected} to {record.step}{missing}")
+        self.step = record.step
+
+    def _check_position(self, record: Record) -> None:
+        self._check_step(record)
+        if record.state != self.state:
+            self.problem(
+                "state_mismatch",
+                record,
+                f"{record.name} was written in {record.state}, but the replay is in {self.state} "
+                f"(a transition line is missing?)",
+            )
+            self.state = record.state
+
+    # ---------------------------------------------------------------- transitions
+    def _transition(self, record: Record) -> None:
+        data = record.data
+        trigger, source, dest = data["trigger"], data["source"], data["dest"]
+        if source != self.state:
+            self.problem(
+                "illegal_transition",
+                record,
+                f"{trigger}: {source} -> {dest} taken while the machine was in {self.state}",
+            )
+        elif (trigger, source, dest) not in _TABLE:
+            self.problem("illegal_transition", record, f"{trigger}: {source} -> {dest} is not a row of the machine")
+        self._check_step(record)
+        if record.state != dest:
+            self.problem("state_mismatch", record, f"a transition to {dest} written in state {record.state}")
+        self._count(trigger, source, dest)
+        self.state = dest
+        if dest == fsm.STEP:  # the trainer advances its step on entering STEP, after this line
+            self.step += 1
+            if self.result.first_step is None:
+                self._check_first_step(record)
+                self.result.first_step = self.step
+
+    def _check_first_step(self, record: Record) -> None:
+        base = self.result.resumed_from_step or 0
+        if self.step != base + 1:
+            where = f"the checkpoint of step {base}" if base else "a fresh start"
+            self.problem("gap", record, f"the first step is {self.step}, but after {where} it must be {base + 1}")
+
+    def _count(self, trigger: str, source: str, dest: str) -> None:
+        result = self.result
+        if dest == fsm.ACCUMULATE:
+            result.micro_batches += 1
+        if source == fsm.ACCUMULATE and trigger in _STEP_DONE:
+            result.steps_done += 1
+            result.last_step = self.step
+        if dest == fsm.CHECKPOINT:
+            result.checkpoint_steps.append(self.step)
+
+    # ---------------------------------------------------------------- other events
+    def _run_start(self, record: Record) -> None:
+        data = record.data
+        self.result.run_id = str(data.get("run_id", ""))  # also marks that run_start was seen
+        self.result.world_size = data.get("world_size")
+
+    def _restore(self, record: Record) -> None:
+        data = record.data
+        result = self.result
+        resumed = bool(data.get("resumed"))
+        from_step = data.get("from_step")
+        result.start = "resume" if resumed else "launch"
+        result.resumed_from_step = from_step if resumed else None
+        loaded = [entry["step"] for entry in result.loaded]
+        if loaded and loaded[-1] != from_step:
+            self.problem("gap", record, f"restore says from_step {from_step}, the checkpoint loaded was {loaded[-1]}")
+        elif not resumed and from_step:
+            self.problem("gap", record, f"a fresh start (resumed=false) at step {from_step}")
+
+    def _checkpoint_saved(self, record: Record) -> None:
+        data = record.data
+        self.result.saved.append(
+            {
+                "step": data.get("saved_step"),
+                "path": data.get("path"),
+                "kept": data.get("kept"),
+                "asynchronous": data.get("asynchronous"),
+                "bytes": data.get("bytes"),
+            }
+        )
+
+    def _checkpoint_loaded(self, record: Record) -> None:
+        self.result.loaded.append({"step": record.data.get("from_step"), "path": record.data.get("path")})
+
+    def _checkpoint_skipped(self, record: Record) -> None:
+        self.result.skipped.append({"path": record.data.get("path"), "reason": record.data.get("reason")})
+
+    def _checkpoint_failed(self, record: Record) -> None:
+        self.result.failed.append({"type": record.data.get("type"), "message": record.data.get("message")})
+
+    def _non_finite(self, record: Record) -> None:
+        if record.data.get("what") == "scaler_skip":
+            self.result.scaler_skips.append(record.step)
+        else:
+            self.result.retries.append({"step": record.step, "retry": record.data.get("retry")})
+
+    def _loss_none(self, record: Record) -> None:
+        self.result.loss_none += 1
+
+    def _signal_received(self, record: Record) -> None:
+        data = record.data
+        self.result.received.append(
+            {
+                "rank": record.rank,
+                "signal": data.get("signal"),
+                "at_step": data.get("at_step"),
+                "at_state": data.get("at_state"),
+                "ts": data.get("received_at", record.ts),
+            }
+        )
+
+    def _signal_agreed(self, record: Record) -> None:
+        self.result.agreed = {"signal": record.data.get("signal"), "step": record.data.get("agreed_step")}
+
+    def _exception(self, record: Record) -> None:
+        data = record.data
+        self.result.exceptions.append(
+            {
+                "rank": record.rank,
+                "type": data.get("type"),
+                "message": data.get("message"),
+                "file": record.file,
+                "line": record.line,
+            }
+        )
+
+    def _requeue(self, record: Record) -> None:
+        data = record.data
+        self.result.requeue = {"ok": data.get("ok"), "command": data.get("command"), "message": data.get("message")}
+
+    def _exit(self, record: Record) -> None:
+        reason = record.data.get("reason")
+        if reason not in EXIT_REASONS:
+            self.problem("malformed", record, f"unknown exit reason {reason!r} (known: {', '.join(EXIT_REASONS)})")
+        self.result.exit = {"reason": reason, "code": record.data.get("code")}
+        self.result.exit_line = record.line
+
+
+_HANDLERS: Final = {
+    "run_start": _Replay._run_start,
+    "restore": _Replay._restore,
+    "checkpoint_saved": _Replay._checkpoint_saved,
+    "checkpoint_loaded": _Replay._checkpoint_loaded,
+    "checkpoint_skipped": _Replay._checkpoint_skipped,
+    "checkpoint_failed": _Replay._checkpoint_failed,
+    "non_finite": _Replay._non_finite,
+    "loss_none": _Replay._loss_none,
+    "signal_received": _Replay._signal_received,
+    "signal_agreed": _Replay._signal_agreed,
+    "exception": _Replay._exception,
+    "requeue": _Replay._requeue,
+    "exit": _Replay._exit,
+}
+
+
+# -------------------------------------------------------------------- the report
+@dataclass(slots=True)
+class AttemptReport:
+    """One attempt over all its ranks."""
+
+    attempt: int
+    ranks: list[RankAttempt]
+
+    @property
+    def first(self) -> RankAttempt:
+        return self.ranks[0]
+
+    @property
+    def killed(self) -> bool:
+        return any(r.exit is None for r in self.ranks)
+
+    def as_dict(self) -> dict[str, Any]:
+        first = self.first
+        return {
+            "attempt": self.attempt,
+            "ranks": [r.rank for r in self.ranks],
+            "start": first.start,
+            "resumed_from_step": first.resumed_from_step,
+            "first_step": first.first_step,
+            "last_step": first.last_step,
+            "steps_done": first.steps_done,
+            "micro_batches": first.micro_batches,
+            "loss_none": first.loss_none,
+            "retries": first.retries,
+            "scaler_skips": first.scaler_skips,
+            "checkpoint_steps": first.checkpoint_steps,
+            "checkpoints": {
+                "saved": [s for r in self.ranks for s in r.saved],
+                "loaded": first.loaded,
+                "skipped": [s for r in self.ranks for s in r.skipped],
+                "failed": [s for r in self.ranks for s in r.failed],
+            },
+            "signals": {"received": [s for r in self.ranks for s in r.received], "agreed": first.agreed},
+            "exceptions": [e for r in self.ranks for e in r.exceptions],
+            "requeue": first.requeue,
+            "exit": first.exit,
+            "killed": self.killed,
+            "end": {"state": first.end_state, "step": first.end_step},
+            "started_at": min(r.started_at for r in self.ranks),
+            "ended_at": max(r.ended_at for r in self.ranks),
+            "per_rank": [_rank_dict(r) for r in self.ranks],
+        }
+
+
+def _rank_dict(r: RankAttempt) -> dict[str, Any]:
+    return {
+        "rank": r.rank,
+        "file": r.file,
+        "run_id": r.run_id,
+        "world_size": r.world_size,
+        "events": r.events,
+        "first_step": r.first_step,
+        "last_step": r.last_step,
+        "steps_done": r.steps_done,
+        "micro_batches": r.micro_batches,
+        "retry_steps": [x["step"] for x in r.retries],
+        "checkpoint_steps": r.checkpoint_steps,
+        "loaded_step": r.loaded[-1]["step"] if r.loaded else None,
+        "agreed_step": r.agreed["step"] if r.agreed else None,
+        "exit": r.exit,
+        "end": {"state": r.end_state, "step": r.end_step},
+        "started_at": r.started_at,
+        "ended_at": r.ended_at,
+    }
+
+
+@dataclass(slots=True)
+class AuditReport:
+    """The result of ``audit()``: attempts, problems (empty: consistent) and notes."""
+
+    files: list[dict[str, Any]]
+    attempts: list[AttemptReport]
+    problems: list[Problem]
+    notes: list[Note]
+
+    @property
+    def consistent(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "consistent": self.consistent,
+            "files": self.files,
+            "attempts": [a.as_dict() for a in self.attempts],
+            "problems": [p.as_dict() for p in self.problems],
+            "notes": [n.as_dict() for n in self.notes],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+
+def audit(inputs: Iterable[Path]) -> AuditReport:
+    """Replay the trail of ``inputs`` (run directories and/or event files). ``TrailError`` when unreadable."""
+    return audit_trail(open_trail(inputs))
+
+
+def audit_trail(trail: Trail, observe: Callable[[Record], None] | None = None) -> AuditReport:
+    """The replay proper; ``observe`` also sees every record (``trace`` collects its tails there,
+    so the trail is read once)."""
+    problems: list[Problem] = []
+    replays: dict[tuple[int, int], _Replay] = {}
+    files = [_replay_file(path, trail.notes, replays, problems, observe) for path in trail.files]
+    attempts = _attempts(replays)
+    for attempt in attempts:
+        _check_attempt(attempt, problems, trail.notes)
+    problems.sort(key=_problem_order)
+    return AuditReport(files, attempts, problems, trail.notes)
+
+
+def _replay_file(
+    path: Path,
+    notes: list[Note],
+    replays: dict[tuple[int, int], _Replay],
+    problems: list[Problem],
+    observe: Callable[[Record], None] | None,
+) -> dict[str, Any]:
+    """Feed one file's records to the replays of their (attempt, rank); returns the file's summary.
+
+    A file normally holds one rank's attempts one after the other, so the current replay is kept
+    at hand and looked up again only when the attempt (or rank) changes.
+    """
+    ranks: list[int] = []
+    events = 0
+    key: tuple[int, int] | None = None
+    replay: _Replay | None = None
+    latest: dict[int, int] = {}  # rank -> the highest attempt seen in this file
+    for record in read_records(path, notes):
+        events += 1
+        if observe is not None:
+            observe(record)
+        if key != (record.attempt, record.rank):
+            key = (record.attempt, record.rank)
+            replay = _replay_for(record, replays, problems, latest)
+            if record.rank not in ranks:
+                ranks.append(record.rank)
+        replay.feed(record)  # type: ignore[union-attr]
+    return {"path": str(path), "ranks": ranks, "events": events}
+
+
+def _replay_for(
+    record: Record, replays: dict[tuple[int, int], _Replay], problems: list[Problem], latest: dict[int, int]
+) -> _Replay:
+    """The replay of the record's (attempt, rank); checks that attempts follow each other in a file
+    (a restarted process appends to its rank's file) and that no other file holds the same."""
+    previous = latest.get(record.rank)
+    if previous is not None and record.attempt < previous:
+        problems.append(
+            Problem(
+                "malformed",
+                f"attempt {record.attempt} after attempt {previous} in the same file",
+                record.file,
+                record.line,
+                record.rank,
+                record.attempt,
+            )
+        )
+    latest[record.rank] = max(record.attempt, previous if previous is not None else record.attempt)
+    key = (record.attempt, record.rank)
+    replay = replays.get(key)
+    if replay is None:
+        replay = replays[key] = _Replay(record, problems)
+    elif replay.result.file != record.file:
+        raise TrailError(
+            f"{record.where()}: rank {record.rank}, attempt {record.attempt} is also in {replay.result.file}; "
+            f"pass one trail per rank"
+        )
+    return replay
+
+
+def _attempts(replays: dict[tuple[int, int], _Replay]) -> list[AttemptReport]:
+    by_attempt: dict[int, list[RankAttempt]] = {}
+    for (attempt, _), replay in sorted(replays.items()):
+        by_attempt.setdefault(attempt, []).append(replay.result)
+    return [AttemptReport(attempt, ranks) for attempt, ranks in sorted(by_attempt.items())]
+
+
+def _check_attempt(attempt: AttemptReport, problems: list[Problem], notes: list[Note]) -> None:
+    for r in attempt.ranks:
+        if r.run_id is None:
+            notes.append(Note(f"rank {r.rank}, attempt {r.attempt} has no run_start (the trail begins mid-attempt?)"))
+        if r.exit is None:
+            problems.append(
+                Problem(
+                    "missing_exit",
+                    f"rank {r.rank}, attempt {r.attempt} ends in {r.end_state} at step {r.end_step} without an exit "
+                    f"event (killed? its last transitions may not have been written)",
+                    r.file,
+                    r.end_line,
+                    r.rank,
+                    r.attempt,
+                )
+            )
+    world = attempt.first.world_size
+    present = [r.rank for r in attempt.ranks]
+    if world is not None and len(present) < world:
+        notes.append(Note(f"attempt {attempt.attempt}: world_size is {world}, but the trail has ranks {present}"))
+    if len(attempt.ranks) > 1:
+        if attempt.killed:
+            notes.append(Note(f"attempt {attempt.attempt}: ranks not compared, as not every rank has an exit event"))
+        else:
+            _compare_ranks(attempt, problems)
+
+
+#: What every rank of an attempt must agree on: (label, value of a rank).
+_AGREEMENT: Final = (
+    ("steps done", lambda r: (r.first_step, r.last_step, r.steps_done)),
+    ("retry steps", lambda r: [x["step"] for x in r.retries]),
+    ("checkpoint steps", lambda r: r.checkpoint_steps),
+    ("restored step", lambda r: r.resumed_from_step),
+    ("agreed signal step", lambda r: r.agreed["step"] if r.agreed else None),
+    ("exit reason", lambda r: (r.exit or {}).get("reason")),
+    ("exit code", lambda r: (r.exit or {}).get("code")),
+)
+
+
+def _compare_ranks(attempt: AttemptReport, problems: list[Problem]) -> None:
+    reference = attempt.first
+    for label, value in _AGREEMENT:
+        expected = value(reference)
+        for other in attempt.ranks[1:]:
+            found = value(other)
+            if found != expected:
+                problems.append(
+                    Problem(
+                        "rank_disagreement",
+                        f"attempt {attempt.attempt}: {label}: rank {reference.rank} {_show(expected)}, "
+                        f"rank {other.rank} {_show(found)}",
+                        other.file,
+                        other.exit_line,
+                        other.rank,
+                        attempt.attempt,
+                    )
+                )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple) and len(value) == 3:  # steps done
+        first, last, done = value
+        return f"{done} (steps {first}-{last})" if done else "0"
+    return "none" if value is None or value == [] else str(value)
+
+
+def _problem_order(problem: Problem) -> tuple[Any, ...]:
+    return (problem.attempt if problem.attempt is not None else -1, problem.file or "", problem.line or 0)
+
+
+# -------------------------------------------------------------------- text rendering
+def render(report: AuditReport) -> str:
+    """The report for people: one block per attempt, then notes and problems, then the verdict."""
+    ranks = sorted({rank for info in report.files for rank in info["ranks"]})
+    events = sum(info["events"] for info in report.files)
+    lines = [
+        f"{_plural(len(report.files), 'file')} ({_plural(len(ranks), 'rank')}), "
+        f"{_plural(len(report.attempts), 'attempt')}, {_plural(events, 'event')}"
+    ]
+    for attempt in report.attempts:
+        lines.append("")
+        lines.extend(_render_attempt(attempt))
+    if report.notes:
+        lines.append("")
+        lines.append("notes:")
+        lines.extend(f"  {_prefix(n.where())}{n.message}" for n in report.notes)
+    if report.problems:
+        lines.append("")
+        lines.append("problems:")
+        lines.extend(f"  {_prefix(p.where())}[{p.kind}] {p.message}" for p in report.problems)
+    lines.append("")
+    if report.consistent:
+        lines.append("consistent: every transition is a row of the machine, steps follow on, every attempt exited")
+    else:
+        lines.append(f"INCONSISTENT: {_plural(len(report.problems), 'problem')}")
+    return "\n".join(lines)
+
+
+def _render_attempt(attempt: AttemptReport) -> list[str]:
+    data = attempt.as_dict()
+    first = attempt.first
+    how = {"launch": "launch", "resume": f"resume from step {first.resumed_from_step}", None: "start unknown"}
+    seconds = data["ended_at"] - data["started_at"]
+    ranks = data["ranks"]
+    rank_text = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    lines = [f"attempt {attempt.attempt}: {how[first.start]}, {rank_text}, {seconds:.2f} s"]
+    steps = f"steps {first.first_step}-{first.last_step}" if first.steps_done else "no steps"
+    retries = ", ".join(f"step {x['step']} (#{x['retry']})" for x in first.retries) or "none"
+    lines.append(
+        f"  {steps}: {first.steps_done} done, {first.micro_batches} micro-batches"
+        + (f" ({first.loss_none} with loss=None)" if first.loss_none else "")
+        + f", retries: {retries}"
+        + (f", fp16 skipped steps: {_steps(first.scaler_skips)}" if first.scaler_skips else "")
+    )
+    lines.append("  checkpoints: " + _render_checkpoints(data["checkpoints"]))
+    lines.append("  signals: " + _render_signals(data["signals"]))
+    lines.extend(
+        f"  exception on rank {e['rank']}: {e['type']}: {_first_line(e['message'])}" for e in data["exceptions"]
+    )
+    if first.requeue is not None:
+        lines.append(f"  requeue: {'done' if first.requeue['ok'] else 'FAILED'}: {first.requeue['message']}")
+    if first.exit is not None:
+        lines.append(f"  exit: {first.exit['reason']}, code {first.exit['code']}")
+    else:
+        lines.append(f"  exit: none (killed?) - the trail ends in {first.end_state} at step {first.end_step}")
+    return lines
+
+
+def _render_checkpoints(checkpoints: dict[str, list[dict[str, Any]]]) -> str:
+    parts = []
+    if checkpoints["loaded"]:
+        parts.append("loaded " + ", ".join(f"step {c['step']} ({c['path']})" for c in checkpoints["loaded"]))
+    parts.append("saved " + (_steps([c["step"] for c in checkpoints["saved"]]) or "none"))
+    if checkpoints["skipped"]:
+        parts.append("skipped " + "; ".join(f"{c['path']}: {c['reason']}" for c in checkpoints["skipped"]))
+    if checkpoints["failed"]:
+        parts.append("failed " + "; ".join(f"{c['type']}: {c['message']}" for c in checkpoints["failed"]))
+    return ", ".join(parts)
+
+
+def _render_signals(signals: dict[str, Any]) -> str:
+    received = [
+        f"{s['signal']} on rank {s['rank']} at step {s['at_step']} ({s['at_state']})" for s in signals["received"]
+    ]
+    text = ", ".join(received) or "none"
+    agreed = signals["agreed"]
+    if agreed is not None:
+        text += f"; agreed {agreed['signal']} at step {agreed['step']}"
+    return text
+
+
+def _steps(steps: list[Any]) -> str:
+    if len(steps) > 12:
+        return f"{', '.join(map(str, steps[:5]))}, ... {', '.join(map(str, steps[-5:]))} ({len(steps)} in all)"
+    return ", ".join(map(str, steps))
+
+
+def _first_line(text: Any) -> str:
+    lines = str(text).splitlines()
+    return lines[0] if lines else ""
+
+
+def _prefix(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

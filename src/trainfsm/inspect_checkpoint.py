@@ -1,0 +1,176 @@
+"""``trainfsm inspect``: verify a checkpoint and say what is inside it.
+
+Verification is ``CheckpointStore.verify``: the manifest's format, the files it lists, their sizes
+and sha256 checksums. Only then are the files opened, with ``torch.load(weights_only=True)`` (no
+pickle can run code) and ``mmap=True`` (a large checkpoint is paged in as it is looked at, not read
+whole into memory).
+
+The path may name a checkpoint directory (``checkpoints/1000``), a store (``checkpoints``: its
+``latest``) or a workspace (``WORKSPACE/checkpoints/latest``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from trainfsm.checkpoint import LATEST, MANIFEST, CheckpointError, CheckpointStore, parse_step
+
+#: ``training_state.pt`` keys shown as plain values.
+_SCALARS: Final = ("step", "epoch")
+
+
+class CheckpointNotFound(Exception):
+    """No checkpoint at the given path (the command exits 2, as for any unreadable input)."""
+
+
+@dataclass(slots=True)
+class Inspection:
+    path: Path
+    resolved_from: str | None  # how ``path`` was found from what was given, if not given directly
+    manifest: dict[str, Any]
+    parts: dict[str, Any]  # file stem -> loaded object
+
+
+def resolve(given: Path) -> tuple[Path, str | None]:
+    """The checkpoint directory that ``given`` names, and how it was found from ``given``."""
+    if not given.is_dir():
+        raise CheckpointNotFound(f"{given}: no such directory")
+    if (given / MANIFEST).is_file() or parse_step(given.name) is not None:
+        return given, None  # a checkpoint, complete or not: verify says which
+    for root, how in ((given, LATEST), (given / "checkpoints", f"checkpoints/{LATEST}")):
+        name = CheckpointStore(root).latest_name()
+        if name is not None:
+            return root / name, f"{given}: {how}"
+    raise CheckpointNotFound(
+        f"{given}: not a checkpoint (no {MANIFEST}), nor a checkpoint store or workspace with a {LATEST} pointer"
+    )
+
+
+def inspect(given: Path) -> Inspection:
+    """Verify and load the checkpoint ``given`` names; ``CheckpointError`` when it is not intact."""
+    path, how = resolve(given)
+    manifest = CheckpointStore.verify(path)
+    parts = {name.removesuffix(".pt"): _load(path / name) for name in manifest["files"]}
+    return Inspection(path, how, manifest, parts)
+
+
+def _load(file: Path) -> Any:
+    import torch
+
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # verified bytes that still do not load: say so, run nothing
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(
+            f"{file} could not be loaded safely with weights_only=True ({type(exc).__name__}: {first})"
+        ) from None
+
+
+# -------------------------------------------------------------------- rendering
+def render(found: Inspection) -> str:
+    manifest, parts = found.manifest, found.parts
+    lines = [f"checkpoint {found.path}" + (f"  (from {found.resolved_from})" if found.resolved_from else "")]
+    files = manifest["files"]
+    lines.append(
+        f"verified: manifest format {manifest['format']}, {len(files)} files, sizes and sha256 checksums match"
+    )
+    created = manifest.get("created")
+    when = datetime.datetime.fromtimestamp(created).isoformat(sep=" ", timespec="seconds") if created else "?"
+    versions = ", ".join(f"{k} {v}" for k, v in sorted((manifest.get("versions") or {}).items()))
+    lines.append(f"step {manifest.get('step')}, kept: {'yes' if manifest.get('kept') else 'no'}, created {when}")
+    lines.append(f"written by: {versions or '?'}")
+    lines.append("")
+    lines.append("files:")
+    manifest_bytes = (found.path / MANIFEST).stat().st_size
+    lines.append(f"  {MANIFEST:<22} {_size(manifest_bytes):>10}")
+    lines.extend(
+        f"  {name:<22} {_size(info['bytes']):>10}  sha256 {info['sha256'][:16]}..." for name, info in files.items()
+    )
+    model = parts.get("model", {}).get("model") if isinstance(parts.get("model"), dict) else None
+    if isinstance(model, dict):
+        lines.append("")
+        lines.extend(_render_model(model))
+    state = parts.get("training_state")
+    if isinstance(state, dict):
+        lines.append("")
+        lines.extend(_render_training_state(state))
+    hooks = parts.get("hooks")
+    if isinstance(hooks, dict):
+        lines.append("")
+        lines.append(f"hooks (hooks.pt): {', '.join(hooks) or 'none'}")
+        lines.extend(f"  {key}: {_describe(value)}" for key, value in hooks.items())
+    return "\n".join(lines)
+
+
+def _render_model(model: dict[str, Any]) -> list[str]:
+    import torch
+
+    tensors = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+    count = sum(t.numel() for t in tensors.values())
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    lines = [f"model (model.pt): {len(model)} entries, {count:,} values, {_size(size)}"]
+    width = max((len(name) for name in model), default=0)
+    for name, value in model.items():
+        if isinstance(value, torch.Tensor):
+            shape = "(" + ", ".join(map(str, value.shape)) + ("," if value.dim() == 1 else "") + ")"
+            lines.append(f"  {name:<{width}}  {shape:<16} {str(value.dtype).removeprefix('torch.')}")
+        else:
+            lines.append(f"  {name:<{width}}  {_describe(value)}")
+    return lines
+
+
+def _render_training_state(state: dict[str, Any]) -> list[str]:
+    lines = ["training state (training_state.pt): " + ", ".join(f"{k} {state.get(k)}" for k in _SCALARS)]
+    lines.extend(_render_optimizer(state.get("optimizer")))
+    for key in ("lr_scheduler", "grad_scaler"):
+        value = state.get(key)
+        lines.append(f"  {key}: " + ("none" if not value else _keys(value)))
+    ranks = state.get("ranks")
+    if isinstance(ranks, list):
+        inner = _keys(ranks[0]) if ranks and isinstance(ranks[0], dict) else ""
+        lines.append(f"  ranks: {len(ranks)} ({inner})")
+    others = [k for k in state if k not in (*_SCALARS, "optimizer", "lr_scheduler", "grad_scaler", "ranks")]
+    if others:
+        lines.append(f"  other keys: {', '.join(others)}")
+    return lines
+
+
+def _render_optimizer(optimizer: Any) -> list[str]:
+    if not isinstance(optimizer, dict):
+        return [f"  optimizer: {_describe(optimizer)}"]
+    per_param = optimizer.get("state") or {}
+    state_keys = sorted({key for entry in per_param.values() if isinstance(entry, dict) for key in entry})
+    lines = [f"  optimizer: state for {len(per_param)} parameters ({', '.join(state_keys) or 'empty'})"]
+    for index, group in enumerate(optimizer.get("param_groups") or []):
+        settings = ", ".join(f"{k}={v}" for k, v in group.items() if k != "params")
+        lines.append(f"    param group {index}: {len(group.get('params', []))} parameters; {settings}")
+    return lines
+
+
+def _keys(value: Any) -> str:
+    return "keys " + ", ".join(map(str, value)) if isinstance(value, dict) else _describe(value)
+
+
+def _describe(value: Any) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(map(str, list(value)[:12])) + (", ..." if len(value) > 12 else "") + "}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover

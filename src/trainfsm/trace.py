@@ -1,0 +1,139 @@
+"""``trainfsm trace``: the story of each attempt that did not complete.
+
+For every failed, preempted or killed attempt (no ``exit`` event): on each rank, the last N events
+before the end, the state and step where the trail ends, every exception with its traceback; then
+what the next attempt did (resumed from which checkpoint, skipped which, or started afresh).
+
+The trail is read once: the audit's replay gives the attempts' outcome, and a bounded tail per rank
+and attempt keeps the last events, so a week-long trail costs no more memory than a short one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from trainfsm.audit import AttemptReport, AuditReport, audit_trail
+from trainfsm.trail import Record, open_trail
+
+DEFAULT_EVENTS: Final = 10
+
+#: Fields every event has; the rest are what an event says.
+_COMMON: Final = frozenset({"ts", "event", "rank", "step", "state", "run_id", "attempt", "traceback"})
+
+
+@dataclass(slots=True)
+class _Tail:
+    """The last events of one rank's attempt, and its exceptions in full."""
+
+    events: deque[Record]
+    exceptions: list[Record] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class TraceReport:
+    audit: AuditReport
+    tails: dict[tuple[int, int], _Tail]
+
+    def traced(self) -> list[AttemptReport]:
+        """The attempts worth a story: failed, preempted, killed."""
+        return [a for a in self.audit.attempts if a.killed or _reason(a) in ("failed", "preempted")]
+
+
+def trace(inputs: Iterable[Path], events: int = DEFAULT_EVENTS) -> TraceReport:
+    """Read the trail of ``inputs`` once; ``TrailError`` when it is unreadable."""
+    tails: dict[tuple[int, int], _Tail] = {}
+
+    def observe(record: Record) -> None:
+        key = (record.attempt, record.rank)
+        tail = tails.get(key)
+        if tail is None:
+            tail = tails[key] = _Tail(deque(maxlen=events))
+        tail.events.append(record)
+        if record.name == "exception":
+            tail.exceptions.append(record)
+
+    report = audit_trail(open_trail(inputs), observe=observe)
+    return TraceReport(report, tails)
+
+
+def render(report: TraceReport) -> str:
+    traced = report.traced()
+    attempts = report.audit.attempts
+    if not traced:
+        outcomes = ", ".join(sorted({_reason(a) or "?" for a in attempts}))
+        return (
+            f"Nothing to trace: no attempt failed, was preempted or was killed ({len(attempts)} attempts: {outcomes})."
+        )
+    lines: list[str] = []
+    for attempt in traced:
+        if lines:
+            lines.append("")
+        lines.extend(_render_attempt(report, attempt))
+    return "\n".join(lines)
+
+
+def _reason(attempt: AttemptReport) -> str | None:
+    exit = attempt.first.exit
+    return None if exit is None else str(exit["reason"])
+
+
+def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
+    first = attempt.first
+    if first.exit is None:
+        outcome = "killed? (no exit event; the transitions after its last event may not have been written)"
+    else:
+        outcome = f"{first.exit['reason']} (exit code {first.exit['code']})"
+    lines = [f"attempt {attempt.attempt}: {outcome}"]
+    for rank in attempt.ranks:
+        tail = report.tails[(attempt.attempt, rank.rank)]
+        last = tail.events[-1]
+        lines.append(f"  rank {rank.rank}: the trail ends in {last.state} at step {last.step} ({last.where()})")
+        lines.append(f"    last {len(tail.events)} events:")
+        lines.extend(f"      {_describe(record, last.ts)}" for record in tail.events)
+        for exc in tail.exceptions:
+            data = exc.data
+            lines.append(f"    exception ({exc.where()}): {data.get('type')}: {data.get('message')}")
+            lines.extend(f"      {text}" for text in str(data.get("traceback") or "").rstrip().splitlines())
+    lines.append("  " + _next_attempt(report.audit, attempt.attempt))
+    return lines
+
+
+def _describe(record: Record, end: float) -> str:
+    """``:118  -0.004s  step 5 ACCUMULATE transition trigger=micro source=STEP dest=ACCUMULATE``."""
+    fields = " ".join(f"{key}={_short(value)}" for key, value in record.data.items() if key not in _COMMON)
+    text = f":{record.line:<6} {record.ts - end:+9.3f}s  step {record.step} {record.state} {record.name}"
+    return f"{text} {fields}" if fields else text
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _next_attempt(report: AuditReport, number: int) -> str:
+    later = [a for a in report.attempts if a.attempt > number]
+    if not later:
+        return "next: no later attempt in the trail"
+    following = later[0]
+    first = following.first
+    checkpoints = following.as_dict()["checkpoints"]
+    skipped = "".join(f"; skipped {c['path']} ({c['reason']})" for c in checkpoints["skipped"])
+    if first.loaded:
+        loaded = first.loaded[-1]
+        what = f"resumed from checkpoint {loaded['path']} (step {loaded['step']})"
+    elif first.start == "resume":
+        what = f"resumed from step {first.resumed_from_step}"
+    elif first.start == "launch":
+        what = "started from scratch (no checkpoint loaded)"
+    else:
+        what = "ended before restoring anything"
+    exit = first.exit
+    if exit is not None:
+        ending = f"it ended {exit['reason']} at step {first.end_step}"
+    else:
+        ending = f"it has no exit event either (killed?), last seen at step {first.end_step}"
+    return f"next: attempt {following.attempt} {what}{skipped}; {ending}"

@@ -1,0 +1,250 @@
+"""Reading the audit trail back: finding the rank files of a run and streaming their events.
+
+Shared by ``trainfsm audit``, ``trace`` and ``plot``. A trail can be huge (a week-long run writes
+several transitions per step), so files are streamed line by line and nothing here keeps them in
+memory: each command folds the records into the little it needs.
+
+What counts as unreadable (``TrailError``, the commands exit 2) and what is tolerated (a ``Note``):
+
+- a missing file, an empty file, a directory without ``logs/events.rank*.jsonl``: unreadable;
+- a complete line (it ends with a newline) that is not a JSON object carrying the common fields
+  (``ts``, ``event``, ``rank``, ``step``, ``state``, ``attempt``): unreadable, naming file and line;
+- a ``run_start`` whose ``format`` is not ``FORMAT_VERSION``: unreadable (a newer writer's trail);
+- a last line without its newline that does not parse: the writer was killed mid-line. Noted,
+  skipped;
+- a line whose start is such a cut-off line and whose rest is the next attempt's ``run_start``
+  (the restarted process appended to the cut-off file): noted, the ``run_start`` is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from trainfsm.events import FORMAT_VERSION
+
+try:  # orjson parses a line several times faster than json; both accept the same lines.
+    import orjson
+
+    _loads: Any = orjson.loads
+except ImportError:  # pragma: no cover - exercised where orjson is absent
+    _loads = json.loads
+
+_DECODE_ERRORS: Final = (ValueError, UnicodeDecodeError)
+
+#: Fields every event carries (``run_id`` too, but only as information).
+REQUIRED_FIELDS: Final[dict[str, type | tuple[type, ...]]] = {
+    "ts": (int, float),
+    "event": str,
+    "rank": int,
+    "step": int,
+    "state": str,
+    "attempt": int,
+}
+TRANSITION_FIELDS: Final = ("trigger", "source", "dest")
+_NUMBERS: Final = (float, int)
+
+_RANK_FILE: Final = re.compile(r"events\.rank(\d+)\.jsonl$")
+
+
+class TrailError(Exception):
+    """The input cannot be read as an audit trail; the message names the file (and line)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something tolerated but worth saying (a truncated last line, a missing rank file)."""
+
+    message: str
+    file: str | None = None
+    line: int | None = None
+
+    def where(self) -> str:
+        return _where(self.file, self.line)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"message": self.message, "file": self.file, "line": self.line}
+
+
+class Record:
+    """One event of the trail, its common fields, and where it was read (for messages that point at
+    the line). The common fields are attributes: the replay reads them for every line."""
+
+    __slots__ = ("attempt", "data", "file", "line", "name", "rank", "state", "step", "ts")
+
+    def __init__(self, file: str, line: int, data: dict[str, Any]) -> None:
+        self.file, self.line, self.data = file, line, data
+        self.name: str = data["event"]
+        self.step: int = data["step"]
+        self.state: str = data["state"]
+        self.ts: float = data["ts"]
+        self.rank: int = data["rank"]
+        self.attempt: int = data["attempt"]
+
+    def where(self) -> str:
+        return _where(self.file, self.line)
+
+    def __repr__(self) -> str:
+        return f"Record({self.where()}: {self.data!r})"
+
+
+@dataclass(slots=True)
+class Trail:
+    """The rank files of one run, in rank order, and what reading them had to tolerate."""
+
+    files: list[Path]
+    notes: list[Note] = field(default_factory=list)
+
+    def records(self) -> Iterator[Record]:
+        """Every event of every file, file by file, each file in its own order."""
+        for path in self.files:
+            yield from read_records(path, self.notes)
+
+
+def _where(file: str | None, line: int | None) -> str:
+    if file is None:
+        return ""
+    return f"{file}:{line}" if line is not None else file
+
+
+def rank_files(directory: Path) -> list[Path]:
+    """``events.rank*.jsonl`` of a workspace (under ``logs/``) or of a logs directory, by rank."""
+    for candidate in (directory / "logs", directory):
+        found = [p for p in candidate.glob("events.rank*.jsonl") if _RANK_FILE.search(p.name)]
+        if found:
+            return sorted(found, key=lambda p: int(_RANK_FILE.search(p.name).group(1)))  # type: ignore[union-attr]
+    raise TrailError(f"{directory}: no audit trail here (expected {directory / 'logs' / 'events.rank*.jsonl'})")
+
+
+def open_trail(inputs: Iterable[Path]) -> Trail:
+    """The trail of ``inputs``: run directories (workspaces) and/or explicit event files."""
+    files: list[Path] = []
+    for item in inputs:
+        if item.is_dir():
+            found = rank_files(item)
+        elif item.is_file():
+            found = [item]
+        else:
+            raise TrailError(f"{item}: no such file or directory")
+        for path in found:
+            if path.resolve() not in {f.resolve() for f in files}:
+                files.append(path)
+    if not files:
+        raise TrailError("no audit trail given")
+    for path in files:
+        if path.stat().st_size == 0:
+            raise TrailError(f"{path}: the file is empty (no events)")
+    return Trail(files)
+
+
+def read_records(path: Path, notes: list[Note]) -> Iterator[Record]:
+    """Stream ``path``'s events; tolerated damage is appended to ``notes`` (see the module doc)."""
+    file = str(path)
+    count = 0
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - closed below, also when the consumer stops early
+    except OSError as exc:
+        raise TrailError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    with handle:
+        for number, raw in enumerate(handle, 1):
+            if not raw.strip():
+                continue
+            data = _parse(raw, file, number, notes)
+            if data is None:
+                continue
+            count += 1
+            yield Record(file, number, data)
+    if count == 0:
+        raise TrailError(f"{path}: no complete events in the file")
+
+
+def _parse(raw: bytes, file: str, number: int, notes: list[Note]) -> dict[str, Any] | None:
+    """One line's event; None for a tolerated cut-off last line; TrailError for anything else."""
+    where = f"{file}:{number}"
+    try:
+        data = _loads(raw)
+    except _DECODE_ERRORS:
+        if not raw.endswith(b"\n"):  # only the last line can lack its newline: a killed writer
+            notes.append(Note("the last line is cut off (the writer was killed mid-line); ignored", file, number))
+            return None
+        data = _after_cut(raw)
+        if data is None:
+            raise TrailError(f"{where}: not JSON: {_excerpt(raw)}") from None
+        notes.append(
+            Note(
+                "a cut-off line (the writer was killed mid-line) runs into the next attempt's run_start; "
+                "the cut-off part is ignored",
+                file,
+                number,
+            )
+        )
+    _check_event(data, where)
+    return data  # type: ignore[no-any-return]
+
+
+def _after_cut(raw: bytes) -> dict[str, Any] | None:
+    """The ``run_start`` a restarted writer appended right after a cut-off line, if that is what
+    ``raw`` is: a restarted process opens the file for appending and starts with ``run_start``."""
+    start = raw.find(b"{", 1)
+    while start != -1:
+        try:
+            data = _loads(raw[start:])
+        except _DECODE_ERRORS:
+            start = raw.find(b"{", start + 1)
+            continue
+        if isinstance(data, dict) and data.get("event") == "run_start":
+            return data
+        return None
+    return None
+
+
+def _check_event(data: Any, where: str) -> None:
+    if not _looks_like_event(data):
+        _explain_not_an_event(data, where)
+    event = data["event"]
+    if event == "transition":
+        if not (type(data.get("trigger")) is str and type(data.get("source")) is str and type(data.get("dest")) is str):
+            missing = next(name for name in TRANSITION_FIELDS if not isinstance(data.get(name), str))
+            raise TrailError(f"{where}: a transition without {missing!r}")
+    elif event == "run_start" and data.get("format") != FORMAT_VERSION:
+        raise TrailError(
+            f"{where}: events of format {data.get('format')!r}; this trainfsm reads format {FORMAT_VERSION} "
+            f"(a trail written by another trainfsm version?)"
+        )
+
+
+def _looks_like_event(data: Any) -> bool:
+    """The common fields with their types, in one expression: this runs for every line."""
+    try:
+        return (
+            type(data["ts"]) in _NUMBERS
+            and type(data["event"]) is str
+            and type(data["rank"]) is int
+            and type(data["step"]) is int
+            and type(data["state"]) is str
+            and type(data["attempt"]) is int
+        )
+    except (KeyError, TypeError, IndexError):
+        return False
+
+
+def _explain_not_an_event(data: Any, where: str) -> None:
+    if not isinstance(data, dict):
+        raise TrailError(f"{where}: not an audit event (a JSON {type(data).__name__}, not an object)")
+    for name, kind in REQUIRED_FIELDS.items():
+        value = data.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise TrailError(f"{where}: not an audit event: field {name!r} is missing or not {_type_name(kind)}")
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    return "a number" if isinstance(kind, tuple) else {"str": "a string", "int": "an integer"}[kind.__name__]
+
+
+def _excerpt(raw: bytes, limit: int = 60) -> str:
+    text = raw.decode("utf-8", "replace").rstrip("\n")
+    return repr(text if len(text) <= limit else text[:limit] + "...")

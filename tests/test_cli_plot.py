@@ -1,0 +1,94 @@
+"""``trainfsm plot``: the PNG exists, has the size the command reports, and is a real picture."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cli_helpers import cli, preempted, read_lines, run, trail, write_lines
+from trainfsm.plot import STATE_COLORS
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk comes first
+    return width, height
+
+
+def _colours(path: Path) -> set[tuple[int, int, int]]:
+    """The distinct RGB colours of the image."""
+    import matplotlib.image
+
+    pixels = (matplotlib.image.imread(str(path))[..., :3] * 255).round().astype("uint8")
+    return {tuple(int(c) for c in row) for row in pixels.reshape(-1, 3)}  # type: ignore[misc]
+
+
+def _rgb(hex_colour: str) -> tuple[int, int, int]:
+    return (int(hex_colour[1:3], 16), int(hex_colour[3:5], 16), int(hex_colour[5:7], 16))
+
+
+def test_plot_writes_a_timeline_of_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    preempted(tmp_path / "run", steps=6, at=3)
+    run(tmp_path / "run", steps=8, interval=2, max_non_finite_grad_retries=1, script={3: "nan"})  # step 6 retried
+    output = tmp_path / "out" / "run.png"
+    code, out, err = cli(capsys, "plot", tmp_path / "run", "-o", output)
+    assert code == 0, err
+    assert output.is_file()
+    assert f"wrote {output} (1200x280 px): 1 rank, 2 attempts" in out
+    assert "drew the timeline only" in out  # the trail records no loss or learning rate
+    assert _png_size(output) == (1200, 280)
+    colours = _colours(output)
+    assert len(colours) > 50  # anti-aliased text, bars and markers: not a blank canvas
+    for state in ("BUILD", "ACCUMULATE", "CHECKPOINT", "EXIT"):
+        assert _rgb(STATE_COLORS[state]) in colours, state  # its legend patch at least
+
+
+def test_plot_draws_loss_and_learning_rate_when_events_carry_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    run(tmp_path / "real", steps=6, interval=3)
+    events: list[dict[str, Any]] = read_lines(trail(tmp_path / "real"))
+    for event in events:
+        if event["event"] == "transition" and event["source"] == "ACCUMULATE":
+            event.update(loss=1.0 / event["step"], lr=0.1 * 0.9 ** event["step"])
+    path = write_lines(tmp_path / "run" / "logs" / "events.rank0.jsonl", events)
+    output = tmp_path / "run.png"
+    code, out, _ = cli(capsys, "plot", path, "-o", output, "--title", "with curves")
+    assert code == 0
+    assert "drew the timeline only" not in out
+    width, height = _png_size(output)
+    assert (width, height) == (1200, 580)  # the curves add 3 inches at 100 dpi
+    assert _rgb("#3182bd") in _colours(output)
+
+
+def test_plot_names_the_extra_when_matplotlib_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(tmp_path, steps=2, interval=1)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import fail
+    code, _, err = cli(capsys, "plot", tmp_path, "-o", tmp_path / "run.png")
+    assert code == 1
+    assert "pip install 'trainfsm[plot]'" in err
+    assert not (tmp_path / "run.png").exists()
+
+
+def test_plot_of_an_unreadable_trail_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(capsys, "plot", tmp_path / "missing", "-o", tmp_path / "run.png")
+    assert code == 2 and "no such file or directory" in err
+
+
+def test_the_commands_import_no_plotting_library_until_they_plot() -> None:
+    code = (
+        "import sys, trainfsm, trainfsm.cli, trainfsm.audit, trainfsm.trace, trainfsm.plot, "
+        "trainfsm.inspect_checkpoint; print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr

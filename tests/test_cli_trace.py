@@ -1,0 +1,74 @@
+"""``trainfsm trace``: the story of failed, preempted and killed attempts, from real trails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.cli_helpers import cli, index_of, preempted, read_lines, run, trail, write_lines
+
+
+def test_a_failed_run_shows_the_exception_with_its_traceback_and_the_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(tmp_path, steps=6, interval=2, script={5: ValueError("boom in forward")})
+    run(tmp_path, steps=6, interval=2)
+    code, out, _ = cli(capsys, "trace", tmp_path)
+    assert code == 0
+    events = trail(tmp_path)
+    lines = read_lines(events)
+    exception_line = index_of(lines, event="exception") + 1
+    assert out.startswith("attempt 0: failed (exit code 1)\n")
+    assert f"rank 0: the trail ends in EXIT at step 5 ({events}:{exception_line + 2})" in out
+    assert f"exception ({events}:{exception_line}): ValueError: boom in forward" in out
+    assert "Traceback (most recent call last):" in out
+    assert 'tests/helpers.py", line' in out and "raise action" in out  # the frame that raised
+    assert "transition trigger=fail source=ACCUMULATE dest=EXIT" in out
+    assert f"next: attempt 1 resumed from checkpoint {tmp_path / 'checkpoints' / '4'} (step 4)" in out
+    assert "it ended completed at step 6" in out
+    assert "attempt 1" not in out.split("next:")[0]  # the completed attempt has no story of its own
+
+
+def test_n_limits_the_events_shown_per_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(tmp_path, steps=6, interval=2, script={5: ValueError("boom")})
+    code, out, _ = cli(capsys, "trace", tmp_path, "-n", "3")
+    assert code == 0
+    assert "last 3 events:" in out
+    shown = [line for line in out.splitlines() if line.startswith("      :")]
+    assert len(shown) == 3
+    assert shown[-1].endswith("exit reason=failed code=1")
+    assert "next: no later attempt in the trail" in out
+
+
+def test_a_preempted_run_shows_the_signal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    preempted(tmp_path, steps=6, at=3)
+    code, out, _ = cli(capsys, "trace", tmp_path)
+    assert code == 0
+    assert out.startswith("attempt 0: preempted (exit code 138)")
+    assert "signal_agreed signal=SIGUSR1 agreed_step=3" in out
+    assert "checkpoint_saved" in out
+
+
+def test_a_killed_attempt_is_traced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(tmp_path / "real", steps=6, interval=2, script={5: ValueError("boom")})
+    events = read_lines(trail(tmp_path / "real"))
+    cut = index_of(events, event="checkpoint_saved", saved_step=4) + 1
+    path = write_lines(tmp_path / "events.rank0.jsonl", events[:cut])
+    code, out, _ = cli(capsys, "trace", path)
+    assert code == 0
+    assert out.startswith("attempt 0: killed? (no exit event")
+    assert f"the trail ends in CHECKPOINT at step 4 ({path}:{cut})" in out
+
+
+def test_a_completed_run_has_nothing_to_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(tmp_path, steps=2, interval=1)
+    code, out, _ = cli(capsys, "trace", tmp_path)
+    assert code == 0 and out.startswith("Nothing to trace") and "completed" in out
+
+
+def test_unreadable_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "events.rank0.jsonl"
+    path.write_text("{not json}\n")
+    code, _, err = cli(capsys, "trace", path)
+    assert code == 2 and f"{path}:1: not JSON" in err
