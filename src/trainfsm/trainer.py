@@ -188,6 +188,12 @@ class BaseTrainer:
         path = self.workspace / "logs" / f"events.rank{rank}.jsonl" if self.workspace else None
         previous = previous_attempt(path) if path else None
         self.run_id, self.attempt = (previous[0], previous[1] + 1) if previous else (new_run_id(), 0)
+        if world > 1:  # one run id and attempt for all ranks, as rank 0 sees them: one collective
+            import torch.distributed as dist
+
+            shared: list[Any] = [(self.run_id, self.attempt)]
+            dist.broadcast_object_list(shared, src=0)
+            self.run_id, self.attempt = shared[0]
         self.rank, self.world_size = rank, world
         self._events = EventLog(
             path=path,
