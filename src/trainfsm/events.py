@@ -56,7 +56,10 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "checkpoint_pruned": ("paths",),
     "checkpoint_tmp_removed": ("names",),
     "checkpoint_failed": ("type", "message"),
-    "signal_received": ("signal",),
+    "signal_received": ("signal", "received_at", "at_step", "at_state"),
+    "signal_agreed": ("signal", "agreed_step"),
+    "requeue": ("command", "ok", "message"),
+    "wandb_run": ("wandb_id", "continued", "mode"),
     "exception": ("type", "message", "traceback"),
     "exit": ("reason", "code"),
 }
