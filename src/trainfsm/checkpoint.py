@@ -5,6 +5,7 @@ Layout under the store's root::
     1000/            model.pt, training_state.pt, [hooks.pt], manifest.json
     5000_keep/       a kept checkpoint (keep_interval / keep_steps): never pruned
     latest -> 5000_keep   a relative symlink, or a one-line file where links are not allowed
+    best -> 1000     any other pointer (``point``): pruning never deletes a pointer's target
 
 Why each step of a save is there (a crash may happen between any two of them):
 
@@ -13,8 +14,9 @@ Why each step of a save is there (a crash may happen between any two of them):
 2. ``manifest.json`` is written last, so a directory without a manifest is never complete.
 3. The directory is fsynced, renamed into place, and the parent fsynced: after that, the rename
    survives a power cut.
-4. Only then does ``latest`` move (a new link renamed over the old one), and only then are old
-   checkpoints pruned, so there is always a complete newest checkpoint on disk.
+4. Only then does ``latest`` move (a new link renamed over the old one), with any pointer that
+   waits for this save (``point_when_saved``), and only then are old checkpoints pruned, so there
+   is always a complete newest checkpoint on disk and a pointer never names a deleted one.
 
 Loading checks the manifest (format, sizes, sha256) before ``torch.load(weights_only=True)``
 touches a byte, so neither a truncated file nor a pickle that would run code is ever unpickled.
@@ -27,6 +29,7 @@ import json
 import os
 import platform
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -157,6 +160,10 @@ class CheckpointStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._pool: ThreadPoolExecutor | None = None
+        # Pointers to move with a later save (point_when_saved): pointer -> first step it may name.
+        # Registered on the training thread, applied on the one that saves (an async writer).
+        self._due: dict[str, int] = {}
+        self._due_lock = threading.Lock()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -215,18 +222,39 @@ class CheckpointStore:
                 shutil.rmtree(trash, ignore_errors=True)
         tmp.rename(target)
         _fsync_dir(self.root)
-        self._point_latest(name)
+        self.point(LATEST, name)
+        with self._due_lock:
+            due = [pointer for pointer, first in self._due.items() if first <= step]
+            for pointer in due:
+                del self._due[pointer]
+        for pointer in due:  # before the caller prunes: the old target stays protected until now
+            self.point(pointer, name)
         return Checkpoint(step, target, keep), total + len(manifest_bytes), checksum
 
-    def _point_latest(self, name: str) -> None:
-        link = self.root / LATEST
-        tmp = self.root / f"{TMP_PREFIX}latest-{uuid.uuid4().hex[:8]}"
+    def point(self, pointer: str, name: str) -> None:
+        """Make ``pointer`` (``latest``, ``best``, ...) name checkpoint directory ``name``, atomically:
+        a new link renamed over the old one, so a reader sees the old target or the new one."""
+        _check_pointer(pointer)
+        link = self.root / pointer
+        tmp = self.root / f"{TMP_PREFIX}{pointer}-{uuid.uuid4().hex[:8]}"
         try:
             tmp.symlink_to(name, target_is_directory=True)
         except OSError:  # filesystems without symlinks: a one-line file instead
             _write_durable(tmp, (name + "\n").encode())
         os.replace(tmp, link)
         _fsync_dir(self.root)
+
+    def point_when_saved(self, pointer: str, step: int) -> None:
+        """Move ``pointer`` to the first checkpoint saved at ``step`` or later, as part of that save:
+        right after ``latest`` moves and before anything is pruned, on the thread that writes it.
+
+        Register before the save starts (a later registration for the same pointer replaces an
+        earlier one). Pointing after ``save`` returns would race an asynchronous writer's prune,
+        which may delete the new target before the pointer protects it.
+        """
+        _check_pointer(pointer)
+        with self._due_lock:
+            self._due[pointer] = step
 
     def remove_leftovers(self) -> list[str]:
         """Delete temporary directories of interrupted saves; returns their names.
@@ -265,12 +293,24 @@ class CheckpointStore:
         return sorted(found, key=lambda c: (c.step, c.kept))
 
     def latest_name(self) -> str | None:
-        link = self.root / LATEST
-        if link.is_symlink():
-            return os.readlink(link)
-        if link.is_file():
-            return link.read_text().strip() or None
-        return None
+        return self.target(LATEST)
+
+    def target(self, pointer: str) -> str | None:
+        """The checkpoint name ``pointer`` holds (it may name a directory that no longer exists)."""
+        return _read_pointer(self.root / pointer)
+
+    def pointers(self) -> dict[str, str]:
+        """Every pointer under the root (``latest``, ``best``, ...) and the name it holds."""
+        if not self.root.is_dir():
+            return {}
+        found = {}
+        for entry in self.root.iterdir():
+            if entry.name.startswith(".") or parse_step(entry.name) is not None:
+                continue
+            name = _read_pointer(entry)
+            if name is not None:
+                found[entry.name] = name
+        return found
 
     def candidates(self) -> Iterator[Checkpoint]:
         """Checkpoints to try for ``load="latest"``, newest step first.
@@ -332,14 +372,14 @@ class CheckpointStore:
     # ------------------------------------------------------------------ pruning
     def prune(self, keep_previous: int) -> list[Checkpoint]:
         """Delete complete, unkept checkpoints beyond the newest ``keep_previous + 1``; never the
-        newest complete one, never a kept one, never one ``latest`` points at."""
+        newest complete one, never a kept one, never one a pointer (``latest``, ``best``) names."""
         complete = [c for c in self.checkpoints() if (c.path / MANIFEST).is_file()]
         if not complete:
             return []
         protected = {c.path for c in complete if c.kept}
         protected.add(complete[-1].path)
-        latest = self.latest_name()
-        protected.update(c.path for c in complete if c.path.name == latest)
+        targets = set(self.pointers().values())
+        protected.update(c.path for c in complete if c.path.name in targets)
         unkept = [c for c in complete if not c.kept]
         protected.update(c.path for c in unkept[-(keep_previous + 1) :])
         removed = []
@@ -348,6 +388,34 @@ class CheckpointStore:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
                 removed.append(checkpoint)
         return removed
+
+
+def _check_pointer(pointer: str) -> None:
+    if (
+        not isinstance(pointer, str)
+        or not pointer
+        or pointer.startswith(".")
+        or "/" in pointer
+        or os.sep in pointer
+        or parse_step(pointer) is not None
+        or pointer == MANIFEST
+    ):
+        raise ValueError(
+            f"a checkpoint pointer name must be a plain file name that is not a step number, does not "
+            f"start with '.' and is not {MANIFEST!r} (e.g. 'latest', 'best'); got {pointer!r}."
+        )
+
+
+def _read_pointer(path: Path) -> str | None:
+    """The name a pointer holds: a symlink's target or a one-line file's line; None for anything else."""
+    if path.is_symlink():
+        return os.readlink(path)
+    if path.is_file() and path.stat().st_size <= 4096:  # a pointer is one short line, not a data file
+        try:
+            return path.read_text().strip() or None
+        except UnicodeDecodeError:
+            return None
+    return None
 
 
 def check_fits(path: Path, current: dict[str, Any], saved: dict[str, Any]) -> None:

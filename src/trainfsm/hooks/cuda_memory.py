@@ -1,0 +1,75 @@
+"""``CudaMaxMemoryHook``: the peak CUDA memory of each step, in ``trainer.step_info["max_memory"]``.
+
+Why a hook: the peak is what tells how close a run is to running out of memory, and other hooks
+(``ProgressHook``, ``LoggingHook``) report whatever ``step_info`` holds; list this hook before them.
+
+Per step (``on_after_step``) it reads ``torch.cuda.max_memory_allocated`` (allocator bookkeeping on
+the host: no device sync) and resets the peak, so each value is the peak since the previous step's
+end: the step itself and whatever ran between the two (a checkpoint, an evaluation at the step's
+decision point). The peak is reset once before the first step.
+
+On a trainer whose device is not CUDA there is nothing to measure: the hook says so once, as a
+``CudaMemoryUnavailableWarning`` and a ``cuda_memory_unavailable`` audit event, sets nothing, and
+from then on its per-step method only returns.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainfsm.hooks.base import BaseHook
+
+if TYPE_CHECKING:
+    from trainfsm.trainer import BaseTrainer
+
+GIB = float(2**30)
+
+
+class CudaMemoryUnavailableWarning(UserWarning):
+    """``CudaMaxMemoryHook`` is on a trainer that does not run on CUDA: ``max_memory`` stays unset."""
+
+
+class CudaMaxMemoryHook(BaseHook):
+    """Put the step's peak allocated CUDA memory in GiB into ``trainer.step_info["max_memory"]``."""
+
+    def __init__(self) -> None:
+        self.device: torch.device | None = None  # set in on_before_train when the trainer is on CUDA
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        device = trainer.device
+        if device.type != "cuda":
+            self.device = None
+            message = (
+                f"CudaMaxMemoryHook: the trainer runs on {device}, not on CUDA, so step_info['max_memory'] "
+                f"is not set. Train on a CUDA device or leave the hook out."
+            )
+            warnings.warn(message, CudaMemoryUnavailableWarning, stacklevel=_user_stacklevel())
+            trainer.audit.warning("cuda_memory_unavailable", device=str(device))
+            return
+        self.device = device
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        device = self.device
+        if device is None:
+            return
+        trainer.step_info["max_memory"] = torch.cuda.max_memory_allocated(device) / GIB
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+CUDAMaxMemoryHook = CudaMaxMemoryHook  # the other published spelling
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel for the first frame outside trainfsm: the user's ``train()`` call
+    (the machine's dispatch lies between this hook and it)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "trainfsm":
+        frame = frame.f_back
+        level += 1
+    return level

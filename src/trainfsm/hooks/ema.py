@@ -1,0 +1,76 @@
+"""``EmaHook``: an exponential moving average of the model's weights, saved with the checkpoint.
+
+The average is a ``torch.optim.swa_utils.AveragedModel`` of ``trainer.unwrapped_model`` (a deep copy
+on the model's device) with ``get_ema_multi_avg_fn(decay)``: per step one fused
+``ema += (1 - decay) * (weights - ema)`` over all parameters, and no device sync.
+
+When it is updated: in ``on_after_step``, once per completed optimizer step (a retried step reaches
+``on_after_step`` once, after its successful attempt). As in ``AveragedModel``, the first update
+copies the weights; each later one moves the average towards them. A step the fp16 grad scaler
+skipped is averaged in too: its weights did not change, so the average takes one more step towards
+the same weights, as timm's training script does. ``step_info`` does not tell a skipped step from an
+applied one; if the trainer ever says so, leaving skipped steps out is one line here.
+
+Where it lives: it is built from the model in ``on_before_train`` (after RESTORE), or earlier in
+``on_load_state_dict`` when a checkpoint is loaded, so the loaded average fills it whatever the order
+of the hooks. It is saved under ``state_dict[name]`` (the ``AveragedModel``'s state: parameters,
+buffers, ``n_averaged``); a checkpoint without that key (saved before the hook was added) leaves the
+average a fresh copy of the loaded weights.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from trainfsm.hooks.base import BaseHook
+
+if TYPE_CHECKING:
+    from trainfsm.trainer import BaseTrainer
+
+
+class EmaHook(BaseHook):
+    """Keep ``hook.ema_model``, an ``AveragedModel`` with decay ``decay`` per optimizer step.
+
+    ``use_buffers=True`` averages buffers (BatchNorm statistics) as well; with ``False`` each update
+    copies the model's buffers as they are (``AveragedModel``'s behaviour).
+    ``name`` is the key of its state in the checkpoint (two EMA hooks need two names).
+    """
+
+    def __init__(self, decay: float = 0.9999, use_buffers: bool = False, name: str = "ema") -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+            raise ValueError(f"EmaHook decay must be a number in [0, 1] (e.g. 0.999); got {decay!r}.")
+        if not isinstance(use_buffers, bool):
+            raise TypeError(f"EmaHook use_buffers must be True or False; got {use_buffers!r}.")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"EmaHook name must be a non-empty str (its key in the checkpoint); got {name!r}.")
+        self.decay = float(decay)
+        self.use_buffers = use_buffers
+        self.name = name
+        self.ema_model: AveragedModel | None = None
+        self._average = get_ema_multi_avg_fn(self.decay)  # type: ignore[no-untyped-call]
+
+    def _built(self, trainer: BaseTrainer) -> AveragedModel:
+        if self.ema_model is None:
+            self.ema_model = AveragedModel(
+                trainer.unwrapped_model, multi_avg_fn=self._average, use_buffers=self.use_buffers
+            )
+        return self.ema_model
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        self._built(trainer)
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        self.ema_model.update_parameters(trainer.unwrapped_model)  # type: ignore[union-attr]
+
+    def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+        state_dict[self.name] = self._built(trainer).state_dict()
+
+    def on_load_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get(self.name)
+        if saved is not None:
+            self._built(trainer).load_state_dict(saved)
+
+
+EMAHook = EmaHook  # the other published spelling

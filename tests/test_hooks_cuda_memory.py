@@ -1,0 +1,85 @@
+"""CudaMaxMemoryHook: one clear warning and no work on CPU; per-step peaks in GiB on CUDA."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import TinyTrainer, read_events
+from trainfsm import BaseHook
+from trainfsm.hooks.cuda_memory import CUDAMaxMemoryHook, CudaMaxMemoryHook, CudaMemoryUnavailableWarning
+
+
+class StepInfo(BaseHook):
+    """Copies ``step_info`` after every step (listed after the memory hook)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+
+    def on_after_step(self, trainer: Any) -> None:
+        self.seen.append(dict(trainer.step_info))
+
+
+def test_on_cpu_it_warns_once_records_it_and_sets_nothing(tmp_path: Path) -> None:
+    info = StepInfo()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        TinyTrainer(max_steps=4, workspace=tmp_path, hooks=[CudaMaxMemoryHook(), info]).train()
+    ours = [w for w in caught if issubclass(w.category, CudaMemoryUnavailableWarning)]
+    assert len(ours) == 1
+    assert "runs on cpu, not on CUDA" in str(ours[0].message)
+    assert Path(ours[0].filename) == Path(__file__)  # points at the user's train() call, not at trainfsm
+    events = [e for e in read_events(tmp_path) if e["event"] == "cuda_memory_unavailable"]
+    assert [e["device"] for e in events] == ["cpu"]
+    assert len(info.seen) == 4 and all("max_memory" not in seen for seen in info.seen)
+    assert read_events(tmp_path)[-1]["reason"] == "completed"
+
+
+def test_on_cpu_the_per_step_method_does_nothing(tmp_path: Path) -> None:
+    hook = CudaMaxMemoryHook()
+    with pytest.warns(CudaMemoryUnavailableWarning):
+        TinyTrainer(max_steps=1, workspace=tmp_path, hooks=[hook]).train()
+    assert hook.device is None
+    trainer = TinyTrainer(max_steps=1)
+    hook.on_after_step(trainer)  # no CUDA call: would raise without CUDA
+    assert trainer.step_info == {}
+
+
+def test_the_alias_is_the_same_class() -> None:
+    assert CUDAMaxMemoryHook is CudaMaxMemoryHook
+
+
+class CudaTrainer(TinyTrainer):
+    """TinyTrainer on CUDA: the batches move to the device, and each step allocates ``extra`` MiB."""
+
+    def __init__(self, extra_mib: dict[int, int], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.extra_mib = extra_mib
+
+    def build_model(self) -> Any:
+        return super().build_model().to(self.device)
+
+    def forward(self, input: Any) -> Any:
+        mib = self.extra_mib.get(self.step, 0)
+        scratch = torch.empty(mib * 2**20, dtype=torch.uint8, device=self.device)  # freed at return
+        del scratch
+        moved = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input.items()}
+        return super().forward(moved)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU path is tested above)")
+def test_on_cuda_each_step_reports_its_own_peak_in_gib(tmp_path: Path) -> None:
+    info = StepInfo()
+    trainer = CudaTrainer({2: 512}, max_steps=3, workspace=tmp_path, device="cuda", hooks=[CudaMaxMemoryHook(), info])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CudaMemoryUnavailableWarning)
+        trainer.train()
+    peaks = [seen["max_memory"] for seen in info.seen]
+    assert len(peaks) == 3 and all(isinstance(p, float) and p > 0 for p in peaks)
+    assert peaks[1] >= 0.5  # step 2 held 512 MiB at its peak
+    assert peaks[2] < 0.25  # reset after step 2: step 3's peak does not include it
+    assert not [e for e in read_events(tmp_path) if e["event"] == "cuda_memory_unavailable"]
