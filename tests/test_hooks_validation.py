@@ -195,11 +195,11 @@ def test_a_signal_during_validation_checkpoints_at_the_agreed_step_and_exits_138
     events = read_events(tmp_path / "run")
     received = [e for e in events if e["event"] == "signal_received"]
     assert [(e["at_step"], e["at_state"]) for e in received] == [(4, "ACCUMULATE")]
-    # The trainer read pending signals at step 4's decision before validation ran, so the signal is
-    # agreed at the end of step 5, as one arriving during a checkpoint write would be.
+    # The trainer reads pending signals after the step's askers (validation runs in one), so the
+    # signal is agreed at the end of step 4 itself: checkpoint at 4, exit 138.
     agreed = [e["agreed_step"] for e in events if e["event"] == "signal_agreed"]
     saved = [e["saved_step"] for e in events if e["event"] == "checkpoint_saved"]
-    assert agreed == saved == [5]
+    assert agreed == saved == [4]
     assert (events[-1]["event"], events[-1]["reason"], events[-1]["code"]) == ("exit", "preempted", 138)
     resumed = signal_run(tmp_path / "run")  # no signal after step 4 any more
     resumed.train()

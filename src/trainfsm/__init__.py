@@ -1,7 +1,22 @@
 """trainfsm: a PyTorch training loop whose control flow is an explicit, audited state machine."""
 
 from trainfsm.checkpoint import CheckpointError
-from trainfsm.hooks import BaseHook, CheckpointingHook
+from trainfsm.hooks import (
+    BaseHook,
+    CheckpointingHook,
+    CUDAMaxMemoryHook,
+    CudaMaxMemoryHook,
+    CudaMemoryUnavailableWarning,
+    EarlyStoppingHook,
+    EMAHook,
+    EmaHook,
+    ImageFileLoggerHook,
+    LoggingHook,
+    ProgressHook,
+    TensorBoardHook,
+    ValidationHook,
+    WandbHook,
+)
 from trainfsm.machine import STATES, TRANSITIONS
 from trainfsm.trainer import BaseTrainer, LossNoneWarning
 from trainfsm.utils import key_average, map_nested_tensor, unwrap
@@ -13,9 +28,21 @@ __all__ = [
     "TRANSITIONS",
     "BaseHook",
     "BaseTrainer",
+    "CUDAMaxMemoryHook",
     "CheckpointError",
     "CheckpointingHook",
+    "CudaMaxMemoryHook",
+    "CudaMemoryUnavailableWarning",
+    "EMAHook",
+    "EarlyStoppingHook",
+    "EmaHook",
+    "ImageFileLoggerHook",
+    "LoggingHook",
     "LossNoneWarning",
+    "ProgressHook",
+    "TensorBoardHook",
+    "ValidationHook",
+    "WandbHook",
     "__version__",
     "key_average",
     "map_nested_tensor",

@@ -60,6 +60,8 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "signal_agreed": ("signal", "agreed_step"),
     "requeue": ("command", "ok", "message"),
     "wandb_run": ("wandb_id", "continued", "mode"),
+    "early_stop": ("monitor", "best", "best_step", "bad_evaluations", "patience"),
+    "cuda_memory_unavailable": ("device",),
     "exception": ("type", "message", "traceback"),
     "exit": ("reason", "code"),
 }

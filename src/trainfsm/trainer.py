@@ -402,8 +402,10 @@ class BaseTrainer:
         return self._after_step()
 
     def _after_step(self) -> Callable[[], bool]:
-        pending = self._agreement.result() if self._agreement is not None else self._signals.pending
+        # The askers first: one of them may run work (ValidationHook evaluates here) during which a
+        # signal can arrive; read after them, it is honoured at this step (with one rank).
         stop = any(ask() for ask in self._stop_askers) if self._stop_askers else False
+        pending = self._agreement.result() if self._agreement is not None else self._signals.pending
         if pending:
             self._agree_signal(pending)
         elif stop or self.step >= self.max_steps:
