@@ -188,12 +188,8 @@ class BaseTrainer:
         path = self.workspace / "logs" / f"events.rank{rank}.jsonl" if self.workspace else None
         previous = previous_attempt(path) if path else None
         self.run_id, self.attempt = (previous[0], previous[1] + 1) if previous else (new_run_id(), 0)
-        if world > 1:  # one run id and attempt for all ranks, as rank 0 sees them: one collective
-            import torch.distributed as dist
-
-            shared: list[Any] = [(self.run_id, self.attempt)]
-            dist.broadcast_object_list(shared, src=0)
-            self.run_id, self.attempt = shared[0]
+        if world > 1:
+            self.run_id, self.attempt = _share_run_id(self.run_id, self.attempt)
         self.rank, self.world_size = rank, world
         self._events = EventLog(
             path=path,
@@ -620,6 +616,28 @@ class BaseTrainer:
     def log_images(self, records: dict[str, Any], dry_run: bool = False) -> None:
         for hook in self.hooks:
             hook.on_log_images(self, records, dry_run)
+
+
+def _share_run_id(run_id: str, attempt: int) -> tuple[str, int]:
+    """Rank 0's run id and attempt on every rank: one small broadcast at start.
+
+    A fixed-size tensor, not ``broadcast_object_list``: no size exchange, no pickle. Run ids are
+    12 hex digits (48 bits); one that is not (an edited trail) is replaced by a fresh one first.
+    """
+    import torch.distributed as dist
+
+    try:
+        number = int(run_id, 16) if len(run_id) == 12 else -1
+    except ValueError:
+        number = -1
+    if number < 0:
+        run_id = new_run_id()
+        number = int(run_id, 16)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    shared = torch.tensor([number, attempt], dtype=torch.int64, device=device)
+    dist.broadcast(shared, src=0)
+    number, attempt = (int(v) for v in shared.tolist())
+    return f"{number:012x}", attempt
 
 
 def _rank_and_world() -> tuple[int, int]:
