@@ -1,0 +1,129 @@
+"""Data-parallel training with DDP: you set up the process group and wrap the model, trainfsm runs the loop.
+
+    torchrun --nproc-per-node 2 examples/ddp.py --workspace runs/ddp --steps 200
+    srun -n 2 python examples/ddp.py --workspace runs/ddp --steps 200   # inside an sbatch job
+    python examples/ddp.py --workspace runs/ddp                          # one process, no DDP
+
+``init_distributed()`` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) or SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master is MASTER_ADDR or
+the job's first node, the port MASTER_PORT or 29500). Every rank writes its audit trail to
+``WORKSPACE/logs/events.rank{R}.jsonl``; rank 0 writes the checkpoints, and running the same
+command again resumes every rank from the latest complete one.
+
+``--timeout`` is the process group's: a rank whose peer died or hangs in a collective fails after
+at most that long instead of waiting forever (gloo notices a peer that exited at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from trainfsm import BaseTrainer, CheckpointingHook
+from trainfsm.distributed import DistEnv, cleanup_distributed, init_distributed, wrap_model
+
+log = logging.getLogger("examples.ddp")
+
+
+def make_dataset(n: int = 1024, features: int = 32, classes: int = 4) -> TensorDataset:
+    """Inputs labelled by a fixed random linear teacher: made here, the same on every rank."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, features, generator=generator)
+    return TensorDataset(x, (x @ torch.randn(features, classes, generator=generator)).argmax(1))
+
+
+class DDPTrainer(BaseTrainer):
+    def __init__(self, layout: DistEnv | None, interval: int, step_seconds: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.layout = layout
+        self.interval = interval
+        self.step_seconds = step_seconds
+
+    def build_data_loader(self) -> DataLoader[Any]:
+        dataset = make_dataset()
+        if self.layout is None:
+            return DataLoader(dataset, batch_size=32, shuffle=True)
+        # Each rank draws its own part of every epoch; the trainer calls sampler.set_epoch(epoch).
+        sampler = DistributedSampler(dataset, num_replicas=self.layout.world_size, rank=self.layout.rank, seed=0)
+        return DataLoader(dataset, batch_size=32, sampler=sampler)
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).to(self.device)
+        return wrap_model(model, "ddp" if self.layout is not None else "none", self.device)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-2)  # type: ignore[union-attr]
+
+    def build_hooks(self) -> list[Any]:
+        # Every rank takes part in a save (gathers its RNG and data position); rank 0 writes.
+        return [CheckpointingHook(interval=self.interval, keep_previous=1, exit_signals=[signal.SIGTERM])]
+
+    def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        if self.step_seconds:
+            time.sleep(self.step_seconds)  # stands in for real work, to make room for a kill
+        x, y = (t.to(self.device) for t in input)
+        logits = self.model(x)  # type: ignore[misc]
+        return nn.functional.cross_entropy(logits, y), {"accuracy": (logits.argmax(1) == y).float().mean()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workspace", type=Path, default=Path("runs/ddp"))
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--interval", type=int, default=50, help="checkpoint every this many steps")
+    parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, seconds")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    layout = init_distributed(timeout=timedelta(seconds=args.timeout))  # None outside torchrun/srun
+    rank = layout.rank if layout is not None else 0
+    device = torch.device("cuda", layout.local_rank if layout else 0) if torch.cuda.is_available() else None
+    trainer = DDPTrainer(
+        layout,
+        args.interval,
+        args.step_seconds,
+        max_steps=args.steps,
+        workspace=args.workspace,
+        device=device,
+    )
+    try:
+        trainer.train()  # on SIGTERM: checkpoint at a step every rank agrees on, exit 143
+    except Exception as exc:
+        if layout is not None:
+            # A rank's own error, or a collective that failed because a peer failed, died or hung
+            # (after --timeout). Every rank stops; the command resumes all of them from the last
+            # complete checkpoint.
+            log.error(
+                "rank %d of %d failed at step %d (%s: %s). If another rank failed first, its error "
+                "(in its output and %s) is the cause. Run the same command again on every rank to "
+                "resume from the last complete checkpoint.",
+                rank,
+                layout.world_size,
+                trainer.step,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+                args.workspace / "logs" / "events.rank*.jsonl",
+            )
+        raise
+    finally:
+        cleanup_distributed()
+    if rank == 0:
+        weights = {k: v.detach().cpu() for k, v in trainer.unwrapped_model.state_dict().items()}
+        torch.save(weights, args.workspace / "final.pt")
+    print(f"rank {rank}: {trainer.exit_reason} at step {trainer.step}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""What one rank's trouble does to the others, on 2 real gloo ranks with DDP.
+
+- A NaN loss on one rank: the all-reduced gradients are NaN on every rank, so both retry the same
+  step, and their audit trails agree on steps, retries, checkpoint steps and exit.
+- ``loss=None`` on one rank only, the wrapped model not called: nothing waits on it; that rank
+  draws one more batch, and the ranks' data positions drift apart (today: a warning, no error).
+- ``loss=None`` on one rank after calling a DDP model that has buffers: its forward broadcast has
+  no partner; both ranks fail at the process-group timeout, not before.
+- An exception on one rank: a peer that exits is noticed at once (gloo: connection closed); one
+  that stays alive is noticed at the process-group timeout. Either way every rank ends, non-zero.
+- SIGKILL of one rank of ``examples/ddp.py``: the other exits with the example's message within
+  the process-group timeout, and a restart of both resumes from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.launch import ROOT, Outcome, Ranks, audit_problems, events, run_worker, summary
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+
+WORLD = 2
+PG_TIMEOUT = 3.0  # seconds; the scenarios that fail set it short so that the suite stays fast
+SLACK = 10.0  # process start-up and teardown on a loaded 2-core machine
+# gloo's errors: a collective reached the timeout ("Timed out waiting 3000ms for recv operation to
+# complete", or "Application timeout caused pair closure" on the rank whose pair the timeout closed),
+# or the peer's socket closed ("Connection closed by peer", "Connection reset by peer").
+TIMED_OUT = re.compile(rf"Timed out waiting {int(PG_TIMEOUT * 1000)}ms|Application timeout caused pair closure")
+PEER_GONE = re.compile("Connection (closed|reset) by peer")
+# A failed rank exits 1 (its exception), or -6 when gloo's threads abort the interpreter as it shuts
+# down after a timed-out collective ("terminate called without an active exception"): either way it
+# recorded its exception and exit first.
+FAILED = (1, -6)
+
+
+def _trails(workspace: Path) -> list[list[dict[str, Any]]]:
+    return [events(workspace, rank) for rank in range(WORLD)]
+
+
+def _first(trail: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(e for e in trail if e["event"] == name)
+
+
+def _one_rank(
+    tmp_path: Path, action: str, *args: str, ranks: tuple[int, ...] = (0, 1)
+) -> tuple[Outcome, list[list[dict[str, Any]]]]:
+    argv = ("--action", action, "--pg-timeout", str(PG_TIMEOUT), *args)
+    outcome = run_worker("one_rank", tmp_path, 60, *argv, ranks=ranks)
+    assert not outcome.hung, f"rank(s) {outcome.hung} still running after 60 s\n{outcome.describe()}"
+    return outcome, _trails(tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def finishing_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """One launch, two runs both ranks finish: ``nan`` and ``loss_none`` (worker.py ddp_faults)."""
+    out = tmp_path_factory.mktemp("ddp_faults")
+    outcome = run_worker("ddp_faults", out, 90)
+    assert outcome.codes == {0: 0, 1: 0} and not outcome.hung, outcome.describe()
+    return out, [torch.load(out / f"ddp_faults.rank{rank}.pt") for rank in range(WORLD)]
+
+
+def test_nan_loss_on_one_rank_makes_every_rank_retry_the_same_step_with_agreeing_trails(
+    finishing_run: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    out, results = finishing_run
+    trails = _trails(out / "nan")
+    summaries = [summary(trail) for trail in trails]
+    assert summaries[0]["retries"] == [(2, 1)]  # rank 1's NaN, all-reduced into rank 0's gradients
+    assert summaries[0]["checkpoint_steps"] == [2, 4, 5]
+    assert summaries[0]["exit"] == [(5, "completed", 0)]
+    assert summaries[0] == summaries[1]  # same transitions at the same steps, same retries, same exit
+    assert len({e["run_id"] for trail in trails for e in trail}) == 1  # one run: rank 0's id on every rank
+    assert audit_problems(out / "nan") == []
+    # Only rank 0 writes the files: rank 1's trail shows the CHECKPOINT steps (above), not the saves.
+    saved = [[e["saved_step"] for e in trail if e["event"] == "checkpoint_saved"] for trail in trails]
+    assert saved == [[2, 4, 5], []]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["nan"]["params"], results[1]["nan"]["params"], strict=True))
+
+
+def test_loss_none_on_one_rank_without_calling_the_model_drifts_that_ranks_data(
+    finishing_run: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    out, both = finishing_run
+    trails = _trails(out / "loss_none" / "run")
+    results = [result["loss_none"] for result in both]
+    assert [r["warnings"] for r in results] == [[], ["LossNoneWarning"]]
+    assert [[e["step"] for e in trail if e["event"] == "loss_none"] for trail in trails] == [[], [2]]
+    # Every rank ran one backward per step, so DDP's all-reduces paired up and the parameters agree;
+    # but rank 1 took one more micro-batch transition (and batch) than rank 0.
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"], strict=True))
+    summaries = [summary(trail) for trail in trails]
+    assert summaries[0]["exit"] == summaries[1]["exit"] == [(4, "completed", 0)]
+    assert len(summaries[1]["transitions"]) == len(summaries[0]["transitions"]) + 1
+    assert audit_problems(out / "loss_none" / "run") == []  # the audit compares steps, not micro-batches
+
+
+def test_loss_none_on_one_rank_after_a_forward_with_buffers_fails_both_at_the_timeout(tmp_path: Path) -> None:
+    outcome, trails = _one_rank(tmp_path, "none_after_forward", "--norm")
+    assert outcome.codes[0] in FAILED and outcome.codes[1] in FAILED, outcome.describe()
+    skipped_at = _first(trails[1], "loss_none")["ts"]
+    errors = [_first(trail, "exception") for trail in trails]
+    assert [e["type"] for e in errors] == ["RuntimeError", "RuntimeError"]
+    # Both wait in mismatched collectives until the timeout. The rank whose timer fires first exits;
+    # the other may see its connection close a moment before its own timer fires.
+    messages = [e["message"] for e in errors]
+    assert any(TIMED_OUT.search(m) for m in messages), messages
+    assert all(TIMED_OUT.search(m) or PEER_GONE.search(m) for m in messages), messages
+    for trail in trails:
+        assert PG_TIMEOUT - 1 <= _first(trail, "exit")["ts"] - skipped_at <= PG_TIMEOUT + SLACK
+        assert (_first(trail, "exit")["reason"], _first(trail, "exit")["step"]) == ("failed", 2)
+    assert audit_problems(tmp_path / "run") == []  # both ranks failed at the same step, same exit
+
+
+def test_exception_on_one_rank_that_exits_fails_the_other_at_once(tmp_path: Path) -> None:
+    outcome, trails = _one_rank(tmp_path, "raise")
+    assert outcome.codes[0] in FAILED and outcome.codes[1] == 1, outcome.describe()
+    raised = _first(trails[1], "exception")
+    assert raised["message"] == "injected failure on rank 1 at step 2"
+    peer = _first(trails[0], "exception")
+    assert peer["type"] == "RuntimeError" and PEER_GONE.search(peer["message"]), peer["message"]
+    assert _first(trails[0], "exit")["ts"] - raised["ts"] < PG_TIMEOUT  # not the timeout: the socket closed
+    assert [_first(t, "exit")["reason"] for t in trails] == ["failed", "failed"]
+    assert audit_problems(tmp_path / "run") == []  # both ranks failed at the same step, same exit
+
+
+def test_exception_on_one_rank_that_stays_alive_fails_the_other_at_the_timeout(tmp_path: Path) -> None:
+    # Rank 1 keeps its connections open after its own failure (killed by the test once rank 0 ended).
+    outcome, trails = _one_rank(tmp_path, "raise", "--linger", "60", ranks=(0,))
+    assert outcome.codes[0] in FAILED and outcome.codes[1] == -9, outcome.describe()
+    raised = _first(trails[1], "exception")
+    peer = _first(trails[0], "exception")
+    assert peer["type"] == "RuntimeError" and TIMED_OUT.search(peer["message"]), peer["message"]
+    assert PG_TIMEOUT - 1 <= _first(trails[0], "exit")["ts"] - raised["ts"] <= PG_TIMEOUT + SLACK
+
+
+# ---------------------------------------------------------------- SIGKILL of one rank of examples/ddp.py
+STEPS, INTERVAL, KILL_TIMEOUT = 60, 10, 20.0
+
+
+def _example(workspace: Path) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "examples" / "ddp.py"), "--workspace", str(workspace), "--steps", str(STEPS),
+        "--interval", str(INTERVAL), "--timeout", str(KILL_TIMEOUT), "--step-seconds", "0.03",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_sigkill_of_one_rank_fails_the_other_and_both_resume_from_the_last_checkpoint(
+    tmp_path: Path, killed: int
+) -> None:
+    workspace = tmp_path / "ws"
+    survivor = 1 - killed
+    with Ranks(lambda rank: _example(workspace), tmp_path / "first") as ranks:
+        deadline = time.monotonic() + 60
+        # Past the second checkpoint, in the middle of an interval.
+        while not any(
+            e["event"] == "checkpoint_saved" and e["saved_step"] >= 2 * INTERVAL for e in events(workspace, 0)
+        ):
+            assert time.monotonic() < deadline, f"no checkpoint at step {2 * INTERVAL} after 60 s"
+            assert all(p.poll() is None for p in ranks.procs), ranks.wait(0).describe()
+            time.sleep(0.02)
+        time.sleep(0.1)
+        ranks.kill(killed)
+        first = ranks.wait(KILL_TIMEOUT + SLACK)
+    assert not first.hung, f"rank {survivor} did not exit after its peer was killed\n{first.describe()}"
+    assert first.codes[killed] == -9
+    assert first.codes[survivor] in FAILED, first.describe()
+    assert f"rank {survivor} of 2 failed at step" in first.stderr[survivor]  # the example's message
+    assert "resume from the last complete checkpoint" in first.stderr[survivor]
+    trail = events(workspace, survivor)
+    assert (_first(trail, "exit")["reason"], _first(trail, "exit")["code"]) == ("failed", 1)
+    saved = [e["saved_step"] for e in events(workspace, 0) if e["event"] == "checkpoint_saved"]
+    assert saved and saved[-1] >= 2 * INTERVAL and saved[-1] < STEPS
+
+    with Ranks(lambda rank: _example(workspace), tmp_path / "second") as ranks:
+        second = ranks.wait(90)
+    assert second.codes == {0: 0, 1: 0}, second.describe()
+    for rank in range(WORLD):
+        attempt = [e for e in events(workspace, rank) if e["attempt"] == 1]
+        loaded = _first(attempt, "checkpoint_loaded")
+        assert loaded["from_step"] == saved[-1]  # the last complete checkpoint before the kill
+        assert _first(attempt, "exit")["reason"] == "completed" and _first(attempt, "exit")["step"] == STEPS
+    assert summary(events(workspace, 0), attempt=1)["steps"] == summary(events(workspace, 1), attempt=1)["steps"]
+    assert audit_problems(workspace) == [("missing_exit", killed, 0)]  # only the killed rank's exit is missing
