@@ -266,3 +266,51 @@ def test_run_start_records_the_slurm_job(monkeypatch: pytest.MonkeyPatch, tmp_pa
     TinyTrainer(max_steps=1, workspace=tmp_path).train()
     start = read_events(tmp_path)[0]
     assert start["slurm"]["job_id"] == "77" and start["slurm"]["restart_count"] == 1
+
+
+def _preempted_in_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restarts: str, **policy: Any) -> dict:
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-scontrol-here"))
+    run = TinyTrainer(max_steps=6, workspace=tmp_path, hooks=[SignalAt(step=2)])
+    run.set_exit_signals([USR1], **policy)
+    with pytest.raises(SystemExit) as info:
+        run.train()
+    assert info.value.code == 138
+    events = read_events(tmp_path)
+    names = [e["event"] for e in events]
+    assert names.index("requeue") < names.index("exit")  # decided before the exit is recorded
+    return next(e for e in events if e["event"] == "requeue")
+
+
+def test_a_failed_requeue_is_an_error_event_and_the_exit_still_happens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    requeue = _preempted_in_slurm(tmp_path, monkeypatch, "0", requeue=True)
+    assert requeue["ok"] is False and "scontrol is not on PATH" in requeue["message"]
+    assert requeue["command"] == "scontrol requeue 4242"
+
+
+def test_max_requeues_stops_a_job_from_requeueing_forever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    requeue = _preempted_in_slurm(tmp_path, monkeypatch, "3", requeue=True, max_requeues=3)
+    assert requeue["ok"] is False and "reached max_requeues=3" in requeue["message"]
+
+
+def test_requeue_auto_outside_a_batch_job_does_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    run = TinyTrainer(max_steps=6, workspace=tmp_path, hooks=[SignalAt(step=2)])
+    run.set_exit_signals([USR1])  # requeue="auto": scontrol cannot confirm a batch job here
+    with pytest.raises(SystemExit):
+        run.train()
+    assert not [e for e in read_events(tmp_path) if e["event"] == "requeue"]
+
+
+def test_a_run_preempted_before_any_checkpoint_starts_fresh_next_time(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        trainer(tmp_path, SignalAt(state="RESTORE")).train()
+    again = trainer(tmp_path)
+    again.train()
+    events = [e for e in read_events(tmp_path) if e["attempt"] == 1]
+    restore = next(e for e in events if e["event"] == "restore")
+    assert (restore["resumed"], restore["from_step"]) == (False, 0)
+    assert events[-1]["event"] == "exit" and events[-1]["reason"] == "completed" and again.step == 6
