@@ -2,13 +2,12 @@
 batches, ``state_dict()``/``load_state_dict()`` honour ``state_dict_options`` (sharded DTensors or
 full tensors) and round-trip, and the checkpoint hook resumes from a full state dict.
 
-What does not work today is written down as strict xfails, each naming the change it needs:
-the finite check sees only the local gradient shard, so a NaN in one rank's shard makes only that
-rank retry; the checkpoint hook writes rank 0's shards only when the state is sharded (the default
-options), so a resume silently loads wrong values; its resume check compares against an empty
-state on rank 1 with ``cpu_offload=True``; and torch's ``set_state_dict`` cannot load a full state
-dict into an optimizer without tensor state (plain SGD). The older ``FullyShardedDataParallel``
-wrapper refuses to run without an accelerator (skipped, with torch's message).
+Also: a NaN in one rank's gradient shard makes every rank retry (the finite check all-reduces its
+flag when gradients are sharded); the checkpoint hook refuses a sharded model state (it writes rank
+0's state only) instead of saving rank 0's shards; it resumes with ``cpu_offload=True``; and a full
+state dict loads into an optimizer without tensor state (plain SGD). The older
+``FullyShardedDataParallel`` wrapper refuses to run without an accelerator (skipped, with torch's
+message).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def _load(out: Path, scenario: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("fsdp")
-    outcome = run_worker("fsdp", out, 120, "--pg-timeout", "5")  # one case leaves rank 0 waiting (xfail)
+    outcome = run_worker("fsdp", out, 120, "--pg-timeout", "5")  # a regression would leave a rank waiting
     assert outcome.codes == {0: 0, 1: 0} and not outcome.hung, outcome.describe()
     return out, _load(out, "fsdp")
 
@@ -126,16 +125,7 @@ def _assert_round_trip(case: dict[str, Any]) -> None:
     "label",
     [
         "full_adam",
-        pytest.param(
-            "full_offload_adam",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="CheckpointingHook._restore compares the checkpoint with get_model_state_dict(model, "
-                "trainer.state_dict_options), which with cpu_offload=True is empty on rank 1: rank 1 raises "
-                "'does not fit the model (unexpected keys ...)' alone and rank 0 waits in RESTORE until the "
-                "process-group timeout. Compare keys and global shapes with full_state_dict=False, cpu_offload=False.",
-            ),
-        ),
+        "full_offload_adam",
     ],
 )
 def test_checkpoint_hook_resumes_fsdp_from_a_full_state_dict(checkpoint_run: list[dict[str, Any]], label: str) -> None:
@@ -148,12 +138,6 @@ def test_checkpoint_hook_resumes_fsdp_from_a_full_state_dict(checkpoint_run: lis
         assert all(torch.equal(a, b) for a, b in zip(first["params"], resumed["params"], strict=True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CheckpointingHook torch.saves rank 0's trainer.state_dict(); with FSDP and sharded options (the "
-    "default) that is rank 0's DTensor shards only, and a resume loads rank 0's rows into rank 1's shard. "
-    "The hook must refuse non-replicated DTensors (ask for full_state_dict=True) or save with DCP (issue 7.3).",
-)
 def test_checkpoint_hook_never_resumes_fsdp_silently_from_rank_0_shards(checkpoint_run: list[dict[str, Any]]) -> None:
     for result in checkpoint_run:
         first, resumed = result["default_adam"]["first"], result["default_adam"].get("resumed", {})
@@ -164,12 +148,6 @@ def test_checkpoint_hook_never_resumes_fsdp_silently_from_rank_0_shards(checkpoi
         assert refused or exact, "resumed without error, with parameters that differ from the checkpoint"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.distributed.checkpoint.state_dict.set_state_dict(full_state_dict=True) raises "
-    "AssertionError('Expected device to be set') for an optimizer with no tensor state (SGD without "
-    "momentum): trainer.load_state_dict must load param_groups itself when the saved state has none.",
-)
 def test_checkpoint_hook_resumes_fsdp_with_a_stateless_optimizer(checkpoint_run: list[dict[str, Any]]) -> None:
     for result in checkpoint_run:
         first, resumed = result["full_sgd"]["first"], result["full_sgd"]["resumed"]
@@ -189,13 +167,6 @@ def test_nan_in_one_shard_with_grad_clip_makes_every_rank_retry(nan_run: tuple[O
     assert audit_problems(out / "clip") == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="step.FiniteCheck reads only this rank's gradient shard (_local) and no rank tells the others: "
-    "rank 1 retries step 2, rank 0 steps; the ranks then run mismatched collectives (rank 0 aborts in gloo: "
-    "'Received data size doesn't match expected size', rank 1: 'Connection reset by peer'). Fix: all-reduce "
-    "the non-finite flag (MAX) when the gradients are sharded.",
-)
 def test_nan_in_one_shard_makes_every_rank_retry_the_same_step(nan_run: tuple[Outcome, Path]) -> None:
     outcome, out = nan_run
     trails = [summary(events(out / "no_clip", rank)) for rank in range(WORLD)]

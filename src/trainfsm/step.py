@@ -50,6 +50,11 @@ class FiniteCheck:
             local = _local(param)
             groups.setdefault((local.device, local.dtype), []).append(param)
         self._sharded = any(_local(param) is not param for param in params)
+        if self._sharded:  # the flag lives where the collective runs: CUDA for nccl, CPU for gloo
+            import torch.distributed as dist
+
+            device = params[0].device if dist.get_backend() == "nccl" else torch.device("cpu")
+            self._flag = torch.zeros(1, device=device)
         self._cpu: list[tuple[list[nn.Parameter], torch.dtype | None]] = []
         self._fused: list[tuple[list[nn.Parameter], torch.Tensor, torch.Tensor]] = []
         for (device, dtype), group in groups.items():
@@ -77,7 +82,20 @@ class FiniteCheck:
             if found.item():  # host sync; reset only after it was set, so a clean step skips it
                 found.zero_()
                 total = math.inf
-        return not math.isfinite(total)
+        non_finite = not math.isfinite(total)
+        if self._sharded:
+            non_finite = self._on_any_rank(non_finite)
+        return non_finite
+
+    def _on_any_rank(self, non_finite: bool) -> bool:
+        """Sharded gradients (FSDP2 DTensors): each rank checked only its own shard, so a NaN in
+        one rank's shard must reach the others, or that rank retries while they step. One
+        all-reduce (MAX) of a one-element flag; every rank then takes the same transition."""
+        import torch.distributed as dist
+
+        self._flag.fill_(1.0 if non_finite else 0.0)
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        return bool(self._flag.item())  # host sync: stepping or retrying is the host's decision
 
 
 class Stepper:

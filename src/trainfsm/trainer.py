@@ -568,7 +568,7 @@ class BaseTrainer:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         model, optimizer = self._built_model_and_optimizer("load_state_dict")
         # The scheduler before the optimizer: a scheduler's load may write its view of the
@@ -576,13 +576,23 @@ class BaseTrainer:
         # initial_lr) must be the last word, or a resumed run trains at the wrong rate.
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=self.state_dict_options,
-        )
+        options = self.state_dict_options
+        if options is not None and options.full_state_dict and not state["optimizer"].get("state"):
+            # An optimizer that keeps no tensor state (SGD without momentum): torch's
+            # set_state_dict cannot scatter a full optimizer state dict into it (it asserts
+            # "Expected device to be set", torch 2.13); its param groups are all there is to load.
+            set_model_state_dict(model, state["model"], options=options)
+            saved_groups = state["optimizer"]["param_groups"]
+            for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+                group.update({key: value for key, value in saved.items() if key != "params"})
+        else:
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=options,
+            )
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         self.step = int(state["step"])

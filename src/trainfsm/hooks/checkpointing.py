@@ -115,9 +115,14 @@ class CheckpointingHook(BaseHook):
     def _restore(self, trainer: BaseTrainer, path: Path, parts: dict[str, Any]) -> None:
         state = {**parts.get("model", {}), **parts.get("training_state", {}), **parts.get("hooks", {})}
         ranks = state.pop("ranks", None)
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from dataclasses import replace
 
-        current = get_model_state_dict(trainer.model, options=trainer.state_dict_options)  # type: ignore[arg-type]
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Keys and (global) shapes only, on every rank alike: a sharded view needs no gather, and a
+        # full one with cpu_offload=True is empty on every rank but 0.
+        view = replace(trainer.state_dict_options or StateDictOptions(), full_state_dict=False, cpu_offload=False)
+        current = get_model_state_dict(trainer.model, options=view)  # type: ignore[arg-type]
         check_fits(path, current, state["model"])
         trainer.load_state_dict(state)
         if ranks:
@@ -145,6 +150,7 @@ class CheckpointingHook(BaseHook):
     def on_enter_checkpoint(self, trainer: BaseTrainer) -> None:
         self._settle(trainer, wait=True)  # at most one save in flight
         state = trainer.state_dict()  # every rank: FSDP gathers collectively
+        _refuse_sharded(state["model"])  # on every rank alike, before any rank writes or waits
         ranks = _gather({"rng": rng.capture(), "data": trainer.data_state()}, trainer.world_size)
         if trainer.rank == 0:
             started = time.perf_counter()
@@ -325,3 +331,18 @@ def _non_negative_int(name: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"CheckpointingHook {name} must be an int >= {minimum}; got {value!r}.")
     return value
+
+
+def _refuse_sharded(model_state: dict[str, Any]) -> None:
+    """Rank 0 writes the checkpoint alone: a model state split over ranks (FSDP with sharded
+    state_dict_options, the default) would save rank 0's shards only, and a resume would load
+    them into every rank's shard."""
+    for key, value in model_state.items():
+        placements = getattr(value, "placements", None)  # a DTensor
+        if placements is not None and not all(p.is_replicate() for p in placements):
+            raise CheckpointError(
+                f"model state {key!r} is sharded over ranks ({type(value).__name__} {placements}), but "
+                f"CheckpointingHook writes rank 0's state only; pass the trainer "
+                f"state_dict_options=StateDictOptions(full_state_dict=True, cpu_offload=True) "
+                f"(torch.distributed.checkpoint.state_dict) to save the whole model from rank 0."
+            )
