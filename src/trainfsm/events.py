@@ -113,6 +113,7 @@ class EventLog:
         run_id: str,
         attempt: int,
         progress: Callable[[], tuple[int, str]],
+        owner: Any = None,
     ) -> None:
         self.path = path
         self.console = console
@@ -121,8 +122,9 @@ class EventLog:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "ab", buffering=1 << 16)  # noqa: SIM115 - closed by close()
         self._progress = progress
+        self._owner = owner  # has ``.step`` (the trainer): read directly on the per-step path
         self._console_debug = console.isEnabledFor(logging.DEBUG)
-        self._pending: list[tuple[float, tuple[int, str], tuple[str, str, str]]] = []
+        self._pending: list[tuple[float, int, tuple[str, str, str]]] = []
         # People watching transitions on the console see them as they happen.
         self._batch = 1 if self._console_debug else BATCH
         processors: list[Any] = [self._drain_first, self._add_progress, self._to_console]
@@ -141,11 +143,11 @@ class EventLog:
     def transition_recorder(self, trigger: str, source: str, dest: str) -> Callable[[], None]:
         """The callable the machine runs at the instant it takes (trigger, source -> dest)."""
         row = (trigger, source, dest)
-        pending, append, clock, progress = self._pending, self._pending.append, time.time, self._progress
+        pending, append, clock, owner = self._pending, self._pending.append, time.time, self._owner
         batch = self._batch
 
         def record() -> None:
-            append((clock(), progress(), row))
+            append((clock(), owner.step, row))  # the state is ``dest``: no need to read it
             if len(pending) >= batch:
                 self.drain()
 
@@ -158,8 +160,8 @@ class EventLog:
         pending = self._pending.copy()
         self._pending.clear()
         debug = self.log.debug
-        for ts, (step, state), (trigger, source, dest) in pending:
-            debug("transition", ts=ts, step=step, state=state, trigger=trigger, source=source, dest=dest)
+        for ts, step, (trigger, source, dest) in pending:
+            debug("transition", ts=ts, step=step, state=dest, trigger=trigger, source=source, dest=dest)
 
     def _drain_first(self, _: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         if self._pending:  # earlier transitions are written before this event

@@ -62,6 +62,7 @@ class FiniteCheck:
                 self._cpu.append((group, torch.float32 if dtype in (torch.float16, torch.bfloat16) else None))
             else:
                 self._fused.append((group, torch.zeros(1, device=device), torch.ones(1, device=device)))
+        self._cpu_params = [(param, dtype) for group, dtype in self._cpu for param in group]
 
     def _grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         if self._sharded:
@@ -71,8 +72,11 @@ class FiniteCheck:
     def __call__(self) -> bool:
         """True when some gradient is non-finite. Reads results on the host: a sync."""
         total = 0.0
-        for params, dtype in self._cpu:
-            for grad in self._grads(params):
+        for param, dtype in self._cpu_params:  # flat, resolved once: this loop is per step
+            grad = param.grad
+            if grad is not None:
+                if self._sharded:
+                    grad = _local(grad)
                 total += (grad.sum() if dtype is None else grad.sum(dtype=dtype)).item()
         for params, found, one in self._fused:
             grads = self._grads(params)

@@ -198,6 +198,7 @@ class BaseTrainer:
             run_id=self.run_id,
             attempt=self.attempt,
             progress=lambda: (self.step, self.state),
+            owner=self,
         )
         self.audit = self._events.log
         self._exit_errors: list[BaseException] = []
