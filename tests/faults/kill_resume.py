@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -168,21 +169,29 @@ def trial(
 
 def run_trials(trials: int, kills: int, seed: int, slow: float, verbose: bool = True) -> tuple[int, int, int]:
     """(passed, failed, SIGKILLs sent) over ``trials`` trials."""
+    return repeat(trial, trials, kills, seed, slow, verbose)
+
+
+def repeat(
+    one: Callable[..., tuple[bool, str, int]], trials: int, count: int, seed: int, slow: float, verbose: bool
+) -> tuple[int, int, int]:
+    """Run ``one`` trial function ``trials`` times against one uninterrupted reference run:
+    (passed, failed, interruptions sent in all)."""
     rng = random.Random(seed)
-    passed = failed = total_kills = 0
+    passed = failed = total = 0
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         expected, duration = reference(base, slow)
         for index in range(trials):
             directory = base / f"trial{index}"
             directory.mkdir()
-            ok, detail, killed = trial(directory, expected, duration, kills, rng, slow)
-            total_kills += killed
+            ok, detail, sent = one(directory, expected, duration, count, rng, slow)
+            total += sent
             passed += ok
             failed += not ok
             if verbose:
                 print(f"trial {index}: {'passed' if ok else 'FAILED'} ({detail})", flush=True)
-    return passed, failed, total_kills
+    return passed, failed, total
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ import argparse
 import random
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.faults.kill_resume import STEPS, _count, _events, _last_step, _launch, reference
+from tests.faults.kill_resume import STEPS, _count, _events, _last_step, _launch, repeat
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -78,22 +77,8 @@ def trial(
 
 
 def run_trials(trials: int, signals: int, seed: int, slow: float, verbose: bool = True) -> tuple[int, int, int]:
-    """(passed, failed, signals that preempted a run) over ``trials`` trials."""
-    rng = random.Random(seed)
-    passed = failed = total = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp)
-        expected, duration = reference(base, slow)
-        for index in range(trials):
-            directory = base / f"trial{index}"
-            directory.mkdir()
-            ok, detail, sent = trial(directory, expected, duration, signals, rng, slow)
-            total += sent
-            passed += ok
-            failed += not ok
-            if verbose:
-                print(f"trial {index}: {'passed' if ok else 'FAILED'} ({detail})", flush=True)
-    return passed, failed, total
+    """(passed, failed, signals sent) over ``trials`` trials."""
+    return repeat(trial, trials, signals, seed, slow, verbose)
 
 
 def main() -> None:
