@@ -25,8 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +42,7 @@ def make_model(width: int) -> nn.Module:
 
 def run_case(rank: int, width: int, batch: int, steps: int, warmup: int) -> dict[str, float]:
     """One case on this rank: medians of the hand-written and the trainer's step, in seconds."""
+    from overhead import interleaved  # benchmarks/ is on sys.path when this script runs
     from torch.nn.parallel import DistributedDataParallel
 
     from trainfsm import BaseTrainer
@@ -65,23 +64,11 @@ def run_case(rank: int, width: int, batch: int, steps: int, warmup: int) -> dict
 
     hand: list[float] = []
     trainer_times: list[float] = []
-
-    def batches() -> Iterator[Any]:
-        resumed = None
-        for i in range(steps + warmup + 1):
-            now = time.perf_counter()
-            if resumed is not None and i > warmup:
-                trainer_times.append(now - resumed)
-            start = time.perf_counter()
-            hand_step(i)
-            if i >= warmup:
-                hand.append(time.perf_counter() - start)
-            resumed = time.perf_counter()
-            yield data[i % 16]
+    batches = interleaved(hand_step, data, steps, warmup, hand, trainer_times)
 
     class BenchTrainer(BaseTrainer):
         def build_data_loader(self) -> Any:
-            return batches()
+            return batches
 
         def build_model(self) -> nn.Module:
             return DistributedDataParallel(make_model(width))

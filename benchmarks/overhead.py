@@ -19,7 +19,7 @@ import argparse
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,6 +53,29 @@ class BenchTrainer(BaseTrainer):
         return nn.functional.cross_entropy(self.model(x), y), {}  # type: ignore[misc]
 
 
+def interleaved(
+    hand_step: Callable[[int], None],
+    data: list[Any],
+    steps: int,
+    warmup: int,
+    hand: list[float],
+    trainer_times: list[float],
+) -> Iterator[Any]:
+    """The trainer's data: before each batch, one timed hand-written step. The trainer's own step
+    is the time between two requests for a batch: the hand step runs outside that interval."""
+    resumed = None
+    for i in range(steps + warmup + 1):
+        now = time.perf_counter()
+        if resumed is not None and i > warmup:
+            trainer_times.append(now - resumed)
+        start = time.perf_counter()
+        hand_step(i)
+        if i >= warmup:
+            hand.append(time.perf_counter() - start)
+        resumed = time.perf_counter()
+        yield data[i % len(data)]
+
+
 def run_case(name: str, width: int, batch: int, steps: int, warmup: int) -> float:
     generator = torch.Generator().manual_seed(1)
     data = [
@@ -72,22 +95,10 @@ def run_case(name: str, width: int, batch: int, steps: int, warmup: int) -> floa
 
     hand: list[float] = []
     trainer_times: list[float] = []
-
-    def batches() -> Iterator[Any]:
-        resumed = None
-        for i in range(steps + warmup + 1):
-            now = time.perf_counter()
-            if resumed is not None and i > warmup:
-                trainer_times.append(now - resumed)
-            start = time.perf_counter()
-            hand_step(i)
-            if i >= warmup:
-                hand.append(time.perf_counter() - start)
-            resumed = time.perf_counter()
-            yield data[i % 16]
+    batches = interleaved(hand_step, data, steps, warmup, hand, trainer_times)
 
     with tempfile.TemporaryDirectory() as workspace:
-        trainer = BenchTrainer(width, batches(), max_steps=steps + warmup, workspace=workspace, device="cpu")
+        trainer = BenchTrainer(width, batches, max_steps=steps + warmup, workspace=workspace, device="cpu")
         trainer.train()
     hand_median = statistics.median(hand)
     trainer_median = statistics.median(trainer_times)
