@@ -421,3 +421,19 @@ def test_an_unwritable_checkpoint_directory_fails_the_save_and_keeps_the_old_one
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "latest"]
     CheckpointStore.verify(tmp_path / "checkpoints" / "4")
     assert events(tmp_path)[-1]["reason"] == "failed"
+
+
+@pytest.mark.parametrize("megabytes", [0, 9])
+def test_manifest_checksums_are_the_sha256_of_the_files_on_disk(tmp_path: Path, megabytes: int) -> None:
+    # Large CPU tensors are hashed after write() returned (from torch's views of their storage),
+    # small chunks are copied first: both must give exactly the file's sha256.
+    generator = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(megabytes * 2**18 + 17, generator=generator) for i in range(4)}
+    state["small"] = torch.arange(10)
+    checkpoint, _, _ = CheckpointStore(tmp_path).save(1, {"model": state, "training_state": {"step": 1}}, keep=False)
+    manifest = json.loads((checkpoint.path / "manifest.json").read_text())
+    for name, entry in manifest["files"].items():
+        data = (checkpoint.path / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    loaded = CheckpointStore.load(checkpoint.path)["model"]
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())

@@ -94,19 +94,29 @@ class _DurableWriter:
 
     A plain ``torch.save`` only copies bytes into the page cache. Checksumming afterwards (~0.14 s
     per 200 MB here) and one fsync at the end (~0.09 s) would add most of a save's time again.
-    Instead each large chunk is hashed on a helper thread while the same chunk is written (both
-    release the GIL), and every ``SYNC_EVERY`` bytes an ``fdatasync`` starts in the background, so
-    the final fsync finds little left to write.
+    Instead chunks are hashed on a helper thread (hashlib releases the GIL) while serialization
+    goes on, and every ``SYNC_EVERY`` bytes an ``fdatasync`` starts in the background, so the final
+    fsync finds little left to write.
+
+    With ``deferred`` (the store passes it when every tensor is in CPU memory), a large chunk is
+    queued for hashing and ``write`` returns at once: torch hands over views of the tensors' own
+    storage, which the caller keeps alive and unchanged until ``finish``; small chunks (torch's
+    headers, from buffers it reuses) are copied first. One hashing thread keeps the order. Without
+    it (device tensors, which torch copies into temporary host buffers), each large chunk is hashed
+    while it is written and ``write`` waits for both. Either way every load verifies the sha256, so
+    a wrong hash could never pass unnoticed: it would fail the tests that resume from a checkpoint.
     """
 
     SYNC_EVERY: Final = 64 << 20
     PARALLEL_FROM: Final = 1 << 20
 
-    def __init__(self, path: Path, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, path: Path, pool: ThreadPoolExecutor, hasher: ThreadPoolExecutor | None = None) -> None:
         self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by finish()/abort()
         self._fd = self._file.fileno()
         self._sha = hashlib.sha256()
         self._pool = pool
+        self._hasher = hasher
+        self._hashed: Future[None] | None = None
         self._unsynced = 0
         self._sync: Future[None] | None = None
         self.bytes = 0
@@ -114,7 +124,10 @@ class _DurableWriter:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         size = view.nbytes
-        if size >= self.PARALLEL_FROM:
+        if self._hasher is not None:
+            self._hashed = self._hasher.submit(self._sha.update, view if size >= self.PARALLEL_FROM else bytes(view))
+            self._write_all(view)
+        elif size >= self.PARALLEL_FROM:
             hashed = self._pool.submit(self._sha.update, view)
             self._write_all(view)
             hashed.result()
@@ -146,12 +159,26 @@ class _DurableWriter:
             self._sync.result()
         os.fsync(self._fd)
         self._file.close()
+        if self._hashed is not None:
+            self._hashed.result()  # one thread, in order: the last chunk hashed means all are
         return self._sha.hexdigest()
 
     def abort(self) -> None:
-        if self._sync is not None:
-            self._sync.exception()
+        for pending in (self._sync, self._hashed):
+            if pending is not None:
+                pending.exception()
         self._file.close()
+
+
+def _all_in_host_memory(obj: Any) -> bool:
+    """Whether every tensor in ``obj`` (nested dicts, lists, tuples) lives in CPU memory, dense."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized
+    if isinstance(obj, dict):
+        return all(_all_in_host_memory(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_all_in_host_memory(v) for v in obj)
+    return True
 
 
 class CheckpointStore:
@@ -160,15 +187,17 @@ class CheckpointStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._pool: ThreadPoolExecutor | None = None
+        self._hasher: ThreadPoolExecutor | None = None
         # Pointers to move with a later save (point_when_saved): pointer -> first step it may name.
         # Registered on the training thread, applied on the one that saves (an async writer).
         self._due: dict[str, int] = {}
         self._due_lock = threading.Lock()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._pool, self._hasher):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._hasher = None
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, parts: dict[str, Any], *, keep: bool) -> tuple[Checkpoint, int, str]:
@@ -188,10 +217,15 @@ class CheckpointStore:
     ) -> tuple[Checkpoint, int, str]:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainfsm-ckpt-io")
+        hasher = None
+        if _all_in_host_memory(parts):  # see _DurableWriter: torch then writes views of storage
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-ckpt-hash")
+            hasher = self._hasher
         files: dict[str, dict[str, Any]] = {}
         total = 0
         for stem, obj in parts.items():
-            writer = _DurableWriter(tmp / f"{stem}.pt", self._pool)
+            writer = _DurableWriter(tmp / f"{stem}.pt", self._pool, hasher)
             try:
                 torch.save(obj, writer)  # type: ignore[arg-type]
                 digest = writer.finish()
