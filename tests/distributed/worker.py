@@ -371,6 +371,11 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown scenario {args.scenario!r}")
         torch.save(result, args.out / f"{args.scenario}.rank{layout.rank}.pt")
+        # Both ranks reach the teardown together: a rank that destroys its gloo group while the
+        # other is still closing its pairs can be aborted by gloo (exit -6) after a clean run.
+        import torch.distributed as dist
+
+        dist.barrier()
     finally:
         cleanup_distributed()
 
