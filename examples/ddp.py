@@ -100,6 +100,8 @@ def main() -> None:
     )
     try:
         trainer.train()  # on SIGTERM: checkpoint at a step every rank agrees on, exit 143
+        if layout is not None:
+            torch.distributed.barrier()  # leave together: gloo may abort a rank whose peer tore down first
     except Exception as exc:
         if layout is not None:
             # A rank's own error, or a collective that failed because a peer failed, died or hung

@@ -55,6 +55,9 @@ def child(rank: int, world: int, port: int, workspace: Path) -> None:
 
     try:
         Trainer(max_steps=500, workspace=workspace, device="cpu").train()
+    except SystemExit:
+        dist.barrier()  # both ranks leave together: gloo may abort a rank whose peer tore down first
+        raise
     finally:
         dist.destroy_process_group()
 
