@@ -49,8 +49,8 @@ class FiniteCheck:
         for param in params:
             local = _local(param)
             groups.setdefault((local.device, local.dtype), []).append(param)
-        self._sharded = any(_local(param) is not param for param in params)
-        if self._sharded:  # the flag lives where the collective runs: CUDA for nccl, CPU for gloo
+        self.sharded = any(_local(param) is not param for param in params)
+        if self.sharded:  # the flag lives where the collective runs: CUDA for nccl, CPU for gloo
             import torch.distributed as dist
 
             device = params[0].device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -65,7 +65,7 @@ class FiniteCheck:
         self._cpu_params = [(param, dtype) for group, dtype in self._cpu for param in group]
 
     def _grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        if self._sharded:
+        if self.sharded:
             return [_local(p.grad) for p in params if p.grad is not None]
         return [p.grad for p in params if p.grad is not None]
 
@@ -75,7 +75,7 @@ class FiniteCheck:
         for param, dtype in self._cpu_params:  # flat, resolved once: this loop is per step
             grad = param.grad
             if grad is not None:
-                if self._sharded:
+                if self.sharded:
                     grad = _local(grad)
                 total += (grad.sum() if dtype is None else grad.sum(dtype=dtype)).item()
         for params, found, one in self._fused:
@@ -87,7 +87,7 @@ class FiniteCheck:
                 found.zero_()
                 total = math.inf
         non_finite = not math.isfinite(total)
-        if self._sharded:
+        if self.sharded:
             non_finite = self._on_any_rank(non_finite)
         return non_finite
 
@@ -179,6 +179,11 @@ class Stepper:
         if self.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
             return bool(torch.isfinite(norm)), norm  # host sync, see above
+        if self.scaler_enabled and not self.finite.sharded:
+            # unscale_ already ran the fused finite check over every gradient: read its flags
+            # rather than reading the gradients a second time.
+            found = self.scaler._found_inf_per_device(self.optimizer).values()
+            return not any(bool(flag) for flag in found), None  # host sync, see above
         return not self.finite(), None
 
     def apply(self, finite: bool) -> bool:

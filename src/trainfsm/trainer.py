@@ -423,21 +423,20 @@ class BaseTrainer:
 
     def _agree_signal(self, signum: int) -> None:
         """All ranks saw ``signum`` pending at this step: checkpoint (if a hook wants), then EXIT."""
+        self._preempted_by(signum)
+        self.audit.info("signal_agreed", signal=signal.Signals(signum).name, agreed_step=self.step)
+
+    def _preempted_by(self, signum: int) -> None:
         self._report_signals()
         policy = self.exit_policy
         self.exit_reason = "preempted"
         self.exit_code = policy.exit_code(signum) if policy is not None else 128 + signum
-        self.audit.info("signal_agreed", signal=signal.Signals(signum).name, agreed_step=self.step)
 
     def _preempted_before_training(self) -> Callable[[], bool] | None:
         """A signal during BUILD or RESTORE: nothing worth saving exists yet; leave by ``preempt``."""
         if not self._signals.pending:
             return None
-        self._report_signals()
-        policy = self.exit_policy
-        signum = self._signals.pending
-        self.exit_reason = "preempted"
-        self.exit_code = policy.exit_code(signum) if policy is not None else 128 + signum
+        self._preempted_by(self._signals.pending)
         return self.preempt
 
     def _run_retry(self) -> Callable[[], bool]:
