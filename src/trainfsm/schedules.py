@@ -14,18 +14,14 @@ from typing import Final
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from trainfsm.validation import int_at_least
+
 SCHEDULES: Final = ("constant", "constant_with_warmup", "linear", "cosine")
-
-
-def _non_negative_int(name: str, value: object, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}.")
-    return value
 
 
 def resolve_warmup_steps(warmup_steps: int | None, warmup_ratio: float | None, total_steps: int) -> int:
     """Warm-up length from either a step count or a fraction of ``total_steps`` (not both)."""
-    total = _non_negative_int("total_steps", total_steps, minimum=1)
+    total = int_at_least("total_steps", total_steps, 1)
     if warmup_steps is not None and warmup_ratio is not None:
         raise ValueError(
             f"give warmup_steps or warmup_ratio, not both (got warmup_steps={warmup_steps!r}, "
@@ -37,7 +33,7 @@ def resolve_warmup_steps(warmup_steps: int | None, warmup_ratio: float | None, t
         return math.ceil(warmup_ratio * total)
     if warmup_steps is None:
         return 0
-    steps = _non_negative_int("warmup_steps", warmup_steps)
+    steps = int_at_least("warmup_steps", warmup_steps, 0)
     if steps > total:
         raise ValueError(f"warmup_steps ({steps}) must not exceed total_steps ({total}).")
     return steps
@@ -47,7 +43,7 @@ def schedule_factor(scheduler_type: str, total_steps: int, warmup_steps: int = 0
     """The multiplier of the base learning rate after ``step`` scheduler steps."""
     if scheduler_type not in SCHEDULES:
         raise ValueError(f"scheduler_type must be one of {', '.join(SCHEDULES)}; got {scheduler_type!r}.")
-    total = _non_negative_int("total_steps", total_steps, minimum=1)
+    total = int_at_least("total_steps", total_steps, 1)
     warmup = resolve_warmup_steps(warmup_steps, None, total)
     if scheduler_type == "constant":
         return lambda step: 1.0

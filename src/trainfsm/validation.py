@@ -12,15 +12,22 @@ import torch
 from trainfsm.step import MIXED_PRECISION_DTYPES
 
 
+def int_at_least(name: str, value: Any, minimum: int) -> int:
+    """An int (not a bool) >= ``minimum``: TypeError for another type, ValueError when smaller."""
+    return _int(name, value, minimum, "")
+
+
 def positive_int(name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> int | None:
     if value is None and allow_none:
         return None
+    return _int(name, value, minimum, " or None" if allow_none else "")
+
+
+def _int(name: str, value: Any, minimum: int, or_none: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        allowed = f"an int >= {minimum}" + (" or None" if allow_none else "")
-        raise TypeError(f"{name} must be {allowed}; got {value!r} ({type(value).__name__}).")
+        raise TypeError(f"{name} must be an int >= {minimum}{or_none}; got {value!r} ({type(value).__name__}).")
     if value < minimum:
-        allowed = f"an int >= {minimum}" + (" or None" if allow_none else "")
-        raise ValueError(f"{name} must be {allowed}; got {value!r}.")
+        raise ValueError(f"{name} must be an int >= {minimum}{or_none}; got {value!r}.")
     return value
 
 

@@ -18,6 +18,7 @@ from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore, ch
 from trainfsm.hooks.base import BaseHook
 from trainfsm.signals import exit_policy
 from trainfsm.utils import map_nested_tensor
+from trainfsm.validation import int_at_least
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -57,12 +58,12 @@ class CheckpointingHook(BaseHook):
         requeue: bool | Literal["auto"] = "auto",
         max_requeues: int | None = None,
     ) -> None:
-        self.interval = _non_negative_int("interval", interval, minimum=1)
-        self.keep_previous = _non_negative_int("keep_previous", keep_previous)
-        self.keep_interval = _non_negative_int("keep_interval", keep_interval)
+        self.interval = int_at_least("CheckpointingHook interval", interval, 1)
+        self.keep_previous = int_at_least("CheckpointingHook keep_previous", keep_previous, 0)
+        self.keep_interval = int_at_least("CheckpointingHook keep_interval", keep_interval, 0)
         steps = [] if keep_steps is None else list(keep_steps)
         for step in steps:
-            _non_negative_int("keep_steps", step, minimum=1)
+            int_at_least("CheckpointingHook keep_steps", step, 1)
         self.keep_steps = frozenset(steps)
         if not isinstance(path, (str, Path)) or str(path) == "":
             raise TypeError(f"CheckpointingHook path must be a non-empty str or Path; got {path!r}.")
@@ -325,12 +326,6 @@ def _barrier(world_size: int) -> None:
         import torch.distributed as dist
 
         dist.barrier()
-
-
-def _non_negative_int(name: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"CheckpointingHook {name} must be an int >= {minimum}; got {value!r}.")
-    return value
 
 
 def _refuse_sharded(model_state: dict[str, Any]) -> None:
