@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import signal
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -77,11 +78,12 @@ def test_layout_one_directory_per_step_with_manifest_and_latest_link(tmp_path: P
     assert sorted(p.name for p in (root / "8").iterdir()) == ["manifest.json", "model.pt", "training_state.pt"]
     assert (root / "latest").is_symlink() and os.readlink(root / "latest") == "8"
     manifest = json.loads((root / "8" / "manifest.json").read_text())
-    assert manifest["step"] == 8 and manifest["format"] == 1
+    assert manifest["step"] == 8 and manifest["format"] == 2
     assert set(manifest["versions"]) == {"trainfsm", "torch", "python"}
     for name, entry in manifest["files"].items():
         assert (root / "8" / name).stat().st_size == entry["bytes"]
-        assert len(entry["sha256"]) == 64
+        assert entry["chunk_bytes"] == 16 << 20 and len(entry["sha256_chunks"]) == 1  # small files: one chunk
+        assert len(entry["sha256_chunks"][0]) == 64
 
 
 def test_saves_at_interval_keep_steps_and_last_step_then_prunes(tmp_path: Path) -> None:
@@ -423,10 +425,14 @@ def test_an_unwritable_checkpoint_directory_fails_the_save_and_keeps_the_old_one
     assert events(tmp_path)[-1]["reason"] == "failed"
 
 
+def chunk_sums(data: bytes, chunk: int = 16 << 20) -> list[str]:
+    return [hashlib.sha256(data[i : i + chunk]).hexdigest() for i in range(0, max(len(data), 1), chunk)]
+
+
 @pytest.mark.parametrize("megabytes", [0, 9])
-def test_manifest_checksums_are_the_sha256_of_the_files_on_disk(tmp_path: Path, megabytes: int) -> None:
+def test_manifest_checksums_are_the_sha256_of_each_16_mib_of_the_files_on_disk(tmp_path: Path, megabytes: int) -> None:
     # Large CPU tensors are hashed after write() returned (from torch's views of their storage),
-    # small chunks are copied first: both must give exactly the file's sha256.
+    # small writes are copied first; 4 x 9 MB crosses chunk boundaries inside tensors.
     generator = torch.Generator().manual_seed(0)
     state = {f"w{i}": torch.randn(megabytes * 2**18 + 17, generator=generator) for i in range(4)}
     state["small"] = torch.arange(10)
@@ -434,6 +440,81 @@ def test_manifest_checksums_are_the_sha256_of_the_files_on_disk(tmp_path: Path, 
     manifest = json.loads((checkpoint.path / "manifest.json").read_text())
     for name, entry in manifest["files"].items():
         data = (checkpoint.path / name).read_bytes()
-        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        assert entry == {"bytes": len(data), "chunk_bytes": 16 << 20, "sha256_chunks": chunk_sums(data)}
+    assert len(manifest["files"]["model.pt"]["sha256_chunks"]) == (3 if megabytes else 1)
     loaded = CheckpointStore.load(checkpoint.path)["model"]
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_a_file_of_exactly_one_chunk_has_one_sum(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainfsm.checkpoint import _DurableWriter
+
+    data = bytes(range(256)) * (1 << 16)  # 16 MiB
+    with ThreadPoolExecutor(1) as io, ThreadPoolExecutor(2) as hashers:
+        writer = _DurableWriter(tmp_path / "f", io, hashers, deferred=True)
+        writer.write(data[:100])
+        writer.write(data[100:])
+        entry = writer.finish()
+    assert entry["sha256_chunks"] == chunk_sums(data) and len(entry["sha256_chunks"]) == 1
+
+
+def test_without_deferred_hashing_a_reused_buffer_is_hashed_before_write_returns(tmp_path: Path) -> None:
+    # Device tensors reach write() as temporary host buffers that torch frees or reuses afterwards.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainfsm.checkpoint import _DurableWriter
+
+    buffer = bytearray(b"a" * (20 << 20))
+    with ThreadPoolExecutor(1) as io, ThreadPoolExecutor(2) as hashers:
+        writer = _DurableWriter(tmp_path / "f", io, hashers, deferred=False)
+        writer.write(b"header")
+        writer.write(buffer)
+        buffer[:] = b"b" * len(buffer)  # what a reused buffer looks like after write() returned
+        writer.write(buffer)
+        entry = writer.finish()
+    data = (tmp_path / "f").read_bytes()
+    assert data == b"header" + b"a" * (20 << 20) + b"b" * (20 << 20)
+    assert entry == {"bytes": len(data), "chunk_bytes": 16 << 20, "sha256_chunks": chunk_sums(data)}
+
+
+def test_checkpoint_files_skip_torchs_crc32_and_still_load_with_plain_torch_load(tmp_path: Path) -> None:
+    # The sha256 sums cover every byte, so torch's per-record crc32 (half of torch.save's time) is
+    # left out; this also checks that the installed torch still takes that path.
+    state = {"w": torch.randn(1000), "b": torch.arange(3)}
+    checkpoint, _, _ = CheckpointStore(tmp_path).save(1, {"model": state}, keep=False)
+    with zipfile.ZipFile(checkpoint.path / "model.pt") as archive:
+        records = archive.infolist()
+    assert len(records) >= 3 and all(record.CRC == 0 for record in records)
+    loaded = torch.load(checkpoint.path / "model.pt", weights_only=True)
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_a_format_1_checkpoint_with_one_sha256_per_file_still_loads(tmp_path: Path) -> None:
+    run(tmp_path, 4)
+    directory = tmp_path / "checkpoints" / "4"
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["format"] = 1
+    manifest["files"] = {
+        name: {"bytes": entry["bytes"], "sha256": hashlib.sha256((directory / name).read_bytes()).hexdigest()}
+        for name, entry in manifest["files"].items()
+    }
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    assert CheckpointStore.load(directory)["training_state"]["step"] == 4
+    (directory / "model.pt").write_bytes(b"x" + (directory / "model.pt").read_bytes()[1:])
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        CheckpointStore.verify(directory)
+
+
+def test_a_flipped_byte_in_a_later_chunk_is_found(tmp_path: Path) -> None:
+    state = {"w": torch.randn(9 << 20)}  # 36 MiB: three chunks
+    checkpoint, _, _ = CheckpointStore(tmp_path).save(1, {"model": state}, keep=False)
+    model = checkpoint.path / "model.pt"
+    with open(model, "r+b") as f:
+        f.seek(33 << 20)
+        byte = f.read(1)
+        f.seek(33 << 20)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CheckpointError, match=f"{model} does not match its sha256"):
+        CheckpointStore.verify(checkpoint.path)

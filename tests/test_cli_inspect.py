@@ -31,7 +31,7 @@ def test_inspect_verifies_and_prints_the_contents(checkpoint: Path, capsys: pyte
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == f"checkpoint {checkpoint}"
-    assert lines[1] == "verified: manifest format 1, 3 files, sizes and sha256 checksums match"
+    assert lines[1] == "verified: manifest format 2, 3 files, sizes and sha256 checksums match"
     assert lines[2].startswith("step 4, kept: no, created ")
     assert "trainfsm 0.1.0" in lines[3] and f"torch {torch.__version__}" in lines[3]
     for name in ("manifest.json", "model.pt", "training_state.pt", "hooks.pt"):

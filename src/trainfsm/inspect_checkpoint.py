@@ -70,6 +70,14 @@ def _load(file: Path) -> Any:
 
 
 # -------------------------------------------------------------------- rendering
+def _sums(info: dict[str, Any]) -> str:
+    """Format 2 lists a sha256 per chunk; format 1 one per file."""
+    if "sha256_chunks" in info:
+        chunks = info["sha256_chunks"]
+        return f"sha256 {chunks[0][:16]}... ({len(chunks)} x {_size(info['chunk_bytes'])} chunks)"
+    return f"sha256 {info['sha256'][:16]}..."
+
+
 def render(found: Inspection) -> str:
     manifest, parts = found.manifest, found.parts
     lines = [f"checkpoint {found.path}" + (f"  (from {found.resolved_from})" if found.resolved_from else "")]
@@ -86,9 +94,7 @@ def render(found: Inspection) -> str:
     lines.append("files:")
     manifest_bytes = (found.path / MANIFEST).stat().st_size
     lines.append(f"  {MANIFEST:<22} {_size(manifest_bytes):>10}")
-    lines.extend(
-        f"  {name:<22} {_size(info['bytes']):>10}  sha256 {info['sha256'][:16]}..." for name, info in files.items()
-    )
+    lines.extend(f"  {name:<22} {_size(info['bytes']):>10}  {_sums(info)}" for name, info in files.items())
     model = parts.get("model", {}).get("model") if isinstance(parts.get("model"), dict) else None
     if isinstance(model, dict):
         lines.append("")
