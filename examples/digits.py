@@ -1,6 +1,7 @@
 """A real small dataset: a small MLP learns scikit-learn's handwritten digits on CPU.
 
     python examples/digits.py --steps 300 --workspace runs/digits
+    python examples/digits.py --epochs 2 --steps 100000 --workspace runs/digits2   # two passes, then stop
 
 The data (1,797 8x8 images) ships inside scikit-learn, so nothing is downloaded (``pip install
 scikit-learn``, or the ``demo`` extra). 80% trains, 20% is held out. Three hooks:
@@ -51,6 +52,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
     parser.add_argument("--workspace", type=Path, default=Path("runs/digits"), help="run directory")
     parser.add_argument("--val-every", type=int, default=100, help="validate every N steps (and at the last)")
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="also stop when the training data runs out this many times"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -61,6 +65,7 @@ def main() -> None:
         checkpoint_every=100,
         log_every=50,
         max_steps=args.steps,
+        max_epochs=args.epochs,
         workspace=args.workspace,
         device="cpu",
     )

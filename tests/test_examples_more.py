@@ -61,6 +61,20 @@ def test_digits_resumes_and_reports_the_restored_accuracy(tmp_path: Path) -> Non
     assert first["last_step"] == 20 and (second["start"], second["resumed_from_step"]) == ("resume", 20)
 
 
+def test_digits_with_epochs_stops_when_the_data_runs_out_and_a_rerun_trains_nothing(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn", reason="the digits ship inside scikit-learn (the demo extra)")
+    digits = [str(EXAMPLES / "digits.py"), "--workspace", "ws", "--epochs", "2", "--steps", "1000"]
+    first = _run(digits, tmp_path)
+    # 1,437 training digits in batches of 64 with drop_last: 22 steps an epoch.
+    assert re.search(r"validation accuracy: [0-9.]+ at step 44", first.stdout), first.stdout
+    assert "exit reason: completed" in first.stdout
+    again = _run(digits, tmp_path)
+    assert re.search(r"validation accuracy: [0-9.]+ at step 44", again.stdout), again.stdout
+    one, two = _audited(tmp_path / "ws")
+    assert (one["steps_done"], one["checkpoint_steps"], one["exit"]) == (44, [44], {"reason": "completed", "code": 0})
+    assert (two["resumed_from_step"], two["steps_done"], two["exit"]["reason"]) == (44, 0, "completed")
+
+
 def test_nan_retry_retries_and_the_trail_shows_retry_transitions(tmp_path: Path) -> None:
     workspace = tmp_path / "ws"
     result = _run([str(EXAMPLES / "nan_retry.py"), "--steps", "12", "--workspace", str(workspace)], tmp_path)

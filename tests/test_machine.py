@@ -92,6 +92,7 @@ def test_triggers_are_the_designed_ones():
         "stepped",
         "save",
         "resume",
+        "exhausted",
         "finish",
         "preempt",
         "fail",

@@ -597,6 +597,48 @@ def test_exhausted_loader_starts_a_new_epoch(make_trainer, events):
     assert trainer.seen == [0, 1, 2, 0, 1, 2, 0]
 
 
+def test_max_epochs_ends_the_run_when_the_data_runs_out(make_trainer, events):
+    loader = EpochLoader(make_batches(3))
+    trainer = make_trainer(max_steps=100, batches=loader, max_epochs=2)
+    trainer.train()
+    assert trainer.seen == [0, 1, 2, 0, 1, 2]
+    assert (trainer.step, trainer.epoch, loader.epochs) == (6, 1, [0, 1])
+    assert (trainer.exit_reason, trainer.exit_code) == ("completed", 0)
+    assert outline(events())[-6:] == [
+        "stepped:ACCUMULATE>STEP",
+        "micro:STEP>ACCUMULATE",  # step 7 begins and finds no data: it never happens
+        "data_exhausted",
+        "exhausted:ACCUMULATE>CHECKPOINT",
+        "finish:CHECKPOINT>EXIT",
+        "exit:completed",
+    ]
+    exhausted = [e for e in events() if e["event"] == "data_exhausted"]
+    assert [(e["step"], e["epochs"], e["dropped_micro_batches"]) for e in exhausted] == [(6, 2, 0)]
+
+
+def test_max_epochs_drops_an_incomplete_last_step(make_trainer, events):
+    trainer = make_trainer(max_steps=100, batches=make_batches(4), max_epochs=2, gradient_accumulation_steps=3)
+    trainer.train()
+    assert trainer.seen == [0, 1, 2, 3, 0, 1, 2, 3]  # 8 micro-batches: steps of 3, 3, then 2 dropped
+    assert trainer.step == 2
+    assert [e["dropped_micro_batches"] for e in events() if e["event"] == "data_exhausted"] == [2]
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_max_steps_still_ends_a_run_before_max_epochs(make_trainer, events):
+    trainer = make_trainer(max_steps=4, batches=make_batches(3), max_epochs=5)
+    trainer.train()
+    assert (trainer.step, trainer.epoch) == (4, 1)
+    assert not [e for e in events() if e["event"] == "data_exhausted"]
+    assert outline(events())[-2:] == ["finish:ACCUMULATE>EXIT", "exit:completed"]
+
+
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_max_epochs_must_be_a_positive_int_or_none(value, error):
+    with pytest.raises(error, match=r"max_epochs must be an int >= 1 or None; got"):
+        TinyTrainer(max_steps=1, max_epochs=value)
+
+
 def test_set_epoch_is_called_on_the_sampler_of_a_data_loader(make_trainer):
     class Sampler(torch.utils.data.Sampler[int]):
         def __init__(self) -> None:

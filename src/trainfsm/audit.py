@@ -192,6 +192,8 @@ class _Replay:
         if record.name == "transition":
             self._transition(record)
         else:
+            if record.name == "data_exhausted" and record.step == self.step - 1:
+                self._step_never_happened()
             self._check_position(record)
             handler = _HANDLERS.get(record.name)
             if handler is not None:
@@ -241,6 +243,12 @@ class _Replay:
             if self.result.first_step is None:
                 self._check_first_step(record)
                 self.result.first_step = self.step
+
+    def _step_never_happened(self) -> None:
+        """``max_epochs`` ran out at a step's first micro-batch: the step that began is taken back."""
+        self.step -= 1
+        if self.result.first_step == self.step + 1:
+            self.result.first_step = None
 
     def _check_first_step(self, record: Record) -> None:
         base = self.result.resumed_from_step or 0

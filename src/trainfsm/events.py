@@ -48,6 +48,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "transition": ("trigger", "source", "dest"),
     "restore": ("resumed", "from_step"),
     "epoch": ("epoch",),
+    "data_exhausted": ("epochs", "dropped_micro_batches"),
     "loss_none": ("micro",),
     "non_finite": ("what", "retry", "max", "scale"),
     "checkpoint_saved": ("path", "saved_step", "bytes", "seconds", "checksum", "kept", "asynchronous"),

@@ -64,6 +64,9 @@ TRANSITIONS: Final[tuple[tuple[str, tuple[str, ...], str], ...]] = (
     ("stepped", (ACCUMULATE,), STEP),  # optimizer stepped, nothing to save
     ("save", (ACCUMULATE,), CHECKPOINT),  # a hook wants a checkpoint after this step
     ("resume", (CHECKPOINT,), STEP),
+    # The data ran out after ``max_epochs`` epochs, at the first micro-batch of a step that then
+    # never happens: CHECKPOINT saves the last completed step (``on_after_step`` does not fire).
+    ("exhausted", (ACCUMULATE,), CHECKPOINT),
     # Last step done, or a stop was requested; from RESTORE: the checkpoint is already at max_steps.
     ("finish", (RESTORE, ACCUMULATE, CHECKPOINT), EXIT),
     ("preempt", (BUILD, RESTORE), EXIT),  # exit signal before training began: nothing to save

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from trainfsm.hooks.base import BaseHook, overrides
 from trainfsm.signals import Agreement, ExitPolicy, SignalWatcher, exit_policy
 from trainfsm.step import Stepper, close_iterator
 from trainfsm.utils import is_distributed_wrapper, key_average, unwrap
+
+#: What ``_next_batch`` returns once ``max_epochs`` epochs of data are used up.
+_EXHAUSTED: Final = object()
 
 
 class LossNoneWarning(UserWarning):
@@ -53,6 +56,7 @@ class BaseTrainer:
         def save(self) -> bool: ...
         def resume(self) -> bool: ...
         def finish(self) -> bool: ...
+        def exhausted(self) -> bool: ...
         def preempt(self) -> bool: ...
         def fail(self) -> bool: ...
 
@@ -68,6 +72,7 @@ class BaseTrainer:
         no_sync_accumulate: bool = True,
         state_dict_options: Any = None,
         logger: Any = None,
+        max_epochs: int | None = None,
     ) -> None:
         self.max_steps: int = check.positive_int("max_steps", max_steps)  # type: ignore[assignment]
         self.grad_clip = check.grad_clip(grad_clip)
@@ -84,6 +89,8 @@ class BaseTrainer:
         self.no_sync_accumulate = check.boolean("no_sync_accumulate", no_sync_accumulate)
         self.state_dict_options = check.state_dict_options(state_dict_options)
         self.logger = check.logger(logger)
+        # None: every exhaustion of the data starts a new epoch, and only max_steps ends the run.
+        self.max_epochs = check.positive_int("max_epochs", max_epochs, allow_none=True)
 
         # The trainer's own resumable state: the completed step count and the data epoch.
         self.step = 0
@@ -354,6 +361,8 @@ class BaseTrainer:
     def _run_accumulate(self) -> Callable[[], bool]:
         t0 = time.perf_counter()
         batch = self._next_batch()
+        if batch is _EXHAUSTED:
+            return self._data_ran_out()
         self._data_time += time.perf_counter() - t0
         last = self._micro + 1 == self.gradient_accumulation_steps
         loss, records = self._stepper.micro(self.forward, batch, last)
@@ -438,6 +447,18 @@ class BaseTrainer:
             return None
         self._preempted_by(self._signals.pending)
         return self.preempt
+
+    def _data_ran_out(self) -> Callable[[], bool]:
+        """``max_epochs`` epochs are done: the step that began has no data, so it never happens.
+
+        Gradients of any micro-batches it already ran are dropped (like ``drop_last``), and
+        ``trainer.step`` goes back to the last completed step, which CHECKPOINT then saves.
+        """
+        self._stepper.discard()
+        self.step -= 1
+        self.exit_reason, self.exit_code = "completed", 0
+        self.audit.info("data_exhausted", epochs=self.max_epochs, dropped_micro_batches=self._micro)
+        return self.exhausted
 
     def _run_retry(self) -> Callable[[], bool]:
         self._stepper.discard()
@@ -533,6 +554,8 @@ class BaseTrainer:
             return batch
         except StopIteration:
             pass
+        if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
+            return _EXHAUSTED  # the iterator stays open at its end: a checkpoint records that position
         close_iterator(self._data_iter)
         self.epoch += 1
         self.audit.debug("epoch", epoch=self.epoch)
