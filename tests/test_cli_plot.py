@@ -69,6 +69,20 @@ def test_plot_draws_loss_and_learning_rate_when_events_carry_them(
     assert _rgb("#3182bd") in _colours(output)
 
 
+def test_logging_hook_metrics_in_the_trail_give_loss_and_learning_rate_curves(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from trainfsm.hooks.logging_hook import LoggingHook
+    from trainfsm.plot import plot
+
+    trainer = run(tmp_path / "run", steps=6, interval=3, hooks=[LoggingHook(interval=2)])
+    metrics = [e for e in read_lines(trail(tmp_path / "run")) if e["event"] == "metrics"]
+    assert [e["step"] for e in metrics] == [2, 4, 6]
+    assert metrics[-1]["values"]["lr_0"] == trainer.lr and metrics[-1]["values"]["loss"] > 0
+    result = plot([tmp_path / "run"], tmp_path / "run.png")
+    assert "loss" in result.metrics and "lr_0" in result.metrics
+    assert _png_size(tmp_path / "run.png") == (1200, 580)
+
+
 def test_plot_names_the_extra_when_matplotlib_is_missing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -349,7 +349,7 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"{attempts} attempt{'s' * (attempts != 1)}"
     )
     if not result.metrics:
-        print("the trail has no loss or learning rate (no event carries 'loss' or 'lr'): drew the timeline only")
+        print("the trail has no loss or learning rate (no metrics events: add a LoggingHook): drew the timeline only")
     return EXIT_OK
 
 

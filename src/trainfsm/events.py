@@ -49,6 +49,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "restore": ("resumed", "from_step"),
     "epoch": ("epoch",),
     "data_exhausted": ("epochs", "dropped_micro_batches"),
+    "metrics": ("values",),
     "loss_none": ("micro",),
     "non_finite": ("what", "retry", "max", "scale"),
     "checkpoint_saved": ("path", "saved_step", "bytes", "seconds", "checksum", "kept", "asynchronous"),

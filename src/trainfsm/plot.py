@@ -5,10 +5,10 @@ transitions), with markers for checkpoints saved and loaded, non-finite retries,
 and agreed, exceptions, and a dashed line where each restart (a new attempt) began. Below, when
 the trail has them, loss and learning-rate curves over steps.
 
-The trail records no per-step loss or learning rate today (``trainer.log`` goes to hooks, not to
-the trail). Curves are drawn from any event that carries a numeric ``loss`` or ``lr`` / ``lr_<i>``
-field, so a writer that adds them needs no change here; without any, the timeline is drawn alone
-and ``PlotResult.metrics`` says so.
+``LoggingHook`` writes its interval averages to the trail as ``metrics`` events (``values``:
+``loss``, ``lr_<i>``, ...). Curves are drawn from those, and from any other event that carries a
+numeric ``loss`` or ``lr`` / ``lr_<i>`` field; a trail without any (no LoggingHook) gets the
+timeline alone, and ``PlotResult.metrics`` says so.
 
 matplotlib is optional (the ``plot`` extra) and imported only when a plot is drawn. The figure is
 made with matplotlib's object API and the Agg canvas, never pyplot, so no global backend is set in
@@ -126,7 +126,9 @@ class _Timeline:
             spans.append([since, end, state])
 
     def _metrics(self, record: Record) -> None:
-        for key, value in record.data.items():
+        data = record.data
+        values = data.get("values") if record.name == "metrics" else None
+        for key, value in (values if isinstance(values, dict) else data).items():
             if (key in ("loss", "lr") or key.startswith("lr_")) and _is_number(value):
                 self.metrics.setdefault(key, {})[record.step] = float(value)
 
@@ -165,7 +167,7 @@ def plot(inputs: Iterable[Path], output: Path, *, title: str | None = None, dpi:
     _draw_timeline(top, timeline, ranks, scale, unit)
     if bottom is not None:
         _draw_curves(bottom, timeline.metrics)
-    suffix = "" if has_curves else "  (the trail has no loss or learning rate: timeline only)"
+    suffix = "" if has_curves else "  (no loss or learning rate in the trail, add a LoggingHook: timeline only)"
     figure.suptitle((title or "trainfsm run") + suffix, fontsize=11)
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output)

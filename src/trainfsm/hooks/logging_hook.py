@@ -61,5 +61,9 @@ class LoggingHook(BaseHook):
         step = trainer.step
         if step % self.interval == 0 or trainer.exit_reason is not None:
             summary = self._stats.summarize(step)  # the interval's host sync (and collective)
-            records: dict[str, Any] = {**summary.scalars(), **summary.records}
+            scalars = summary.scalars()
+            records: dict[str, Any] = {**scalars, **summary.records}
+            # The interval's averages go to the trail too (host floats already: no extra sync), so
+            # `trainfsm plot` can draw loss and learning-rate curves from the trail alone.
+            trainer.audit.debug("metrics", values={**scalars, **summary.flat_records()})
             trainer.log(records)
