@@ -307,7 +307,29 @@ class CheckpointingHook(BaseHook):
         if shared[0]["error"] is not None:
             raise CheckpointError(f"sharded checkpoint at step {step} was not saved: rank 0 {shared[0]['error']}")
         tmp = Path(shared[0]["tmp"])
+        try:
+            self._write_sharded(trainer, store, step, keep, state, shared, tmp, started)
+        except BaseException:
+            if rank == 0:  # e.g. a peer died: this save can never complete; leave nothing behind
+                store.discard(tmp)
+            raise
+
+    def _write_sharded(
+        self,
+        trainer: BaseTrainer,
+        store: CheckpointStore,
+        step: int,
+        keep: bool,
+        state: dict[str, Any],
+        shared: list[dict[str, Any]],
+        tmp: Path,
+        started: float,
+    ) -> None:
+        from trainfsm import sharded
+
+        rank, world = trainer.rank, trainer.world_size
         directory = tmp / sharded.SUBDIR
+        error: str | None = None
         written: dict[str, dict[str, Any]] = {}
         try:
             for name in sharded.save({"model": state["model"], "optimizer": state["optimizer"]}, directory, rank):
