@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.distributed import sharded_worker
-from tests.distributed.launch import audit_problems, events, run_worker, summary
+from tests.distributed.launch import ROOT, audit_problems, events, free_port, run_command, run_worker, summary
 from tests.test_checkpointing import Trainer, params, run
 from tests.test_checkpointing import events as trail
 from trainfsm import CheckpointError, CheckpointingHook
@@ -300,3 +300,27 @@ def test_a_rank_killed_in_the_middle_of_a_sharded_save_leaves_no_checkpoint_that
         assert [e["from_step"] for e in resumed if e["event"] == "checkpoint_loaded"] == [2]
         removed = [e["names"] for e in resumed if e["event"] == "checkpoint_tmp_removed"]
         assert removed == ([leftovers] if rank == 0 and leftovers else [])
+
+
+# ---------------------------------------------------------------- the example
+@distributed
+def test_fsdp_sharded_example_saves_sharded_resumes_and_reshards_to_one_process(tmp_path: Path) -> None:
+    workspace = tmp_path / "ws"
+    example = [str(ROOT / "examples" / "fsdp_sharded.py"), "--workspace", str(workspace), "--interval", "10"]
+    torchrun = Path(sys.executable).with_name("torchrun")  # the console script, as a user runs it
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    two_ranks = [*launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port"]
+    for steps in (20, 30):
+        code, output = run_command([*two_ranks, str(free_port()), *example, "--steps", str(steps)], timeout=120)
+        assert code == 0, output[-4000:]
+    manifest = json.loads((workspace / "checkpoints" / "30" / "manifest.json").read_text())
+    assert (manifest["sharded"], manifest["world_size"]) == (True, WORLD)
+    assert sorted(p.name for p in (workspace / "checkpoints").iterdir()) == ["20", "30", "latest"]  # keep_previous=1
+    code, output = run_command([sys.executable, *example, "--steps", "40"], timeout=120)
+    assert code == 0, output[-4000:]
+    for rank in range(WORLD):
+        loaded = [(e["attempt"], e["from_step"]) for e in events(workspace, rank) if e["event"] == "checkpoint_loaded"]
+        assert loaded == ([(1, 20), (2, 30)] if rank == 0 else [(1, 20)])
+    [last] = [e for e in events(workspace, 0) if e["event"] == "checkpoint_saved" and e["saved_step"] == 40]
+    assert last["sharded"] is False  # one process: the model is whole, saved as model.pt
+    assert [e["reason"] for e in events(workspace, 0) if e["event"] == "exit"] == ["completed"] * 3
