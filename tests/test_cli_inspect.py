@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.cli_helpers import cli, run
-from trainfsm import BaseHook
+from tests.cli_helpers import TinyTrainer, cli, run
+from trainfsm import BaseHook, CheckpointingHook
 
 
 class CountingHook(BaseHook):
@@ -92,3 +92,36 @@ def test_no_checkpoint_at_the_path_exits_2(tmp_path: Path, capsys: pytest.Captur
     assert code == 2 and "no such directory" in err
     code, _, err = cli(capsys, "inspect", tmp_path)
     assert code == 2 and "not a checkpoint" in err
+
+
+def sharded_run(workspace: Path, steps: int) -> None:
+    TinyTrainer(max_steps=steps, workspace=workspace, hooks=[CheckpointingHook(interval=2, sharded=True)]).train()
+
+
+def test_inspect_verifies_a_sharded_checkpoint_and_lists_its_keys_without_a_process_group(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sharded_run(tmp_path, steps=4)
+    checkpoint = tmp_path / "checkpoints" / "4"
+    code, out, err = cli(capsys, "inspect", checkpoint)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[1] == "verified: manifest format 3, 3 files, sizes and sha256 checksums match"
+    shards = [line.split() for line in lines if line.strip().startswith("sharded/")]
+    assert [(s[0], s[-2:]) for s in shards] == [
+        ("sharded/.metadata", ["rank", "0"]), ("sharded/__0_0.distcp", ["rank", "0"]),
+    ]  # fmt: skip
+    assert "sharded (torch.distributed.checkpoint), written by 1 rank: model and optimizer" in out
+    assert "model (sharded/): 2 entries, 4 values, 16 B" in out
+    model = [line.split() for line in lines if line.startswith("  weight") or line.startswith("  bias")]
+    assert model == [["weight", "(1,", "3)", "float32"], ["bias", "(1,)", "float32"]]
+    assert "training state (training_state.pt): step 4, epoch 0" in out
+    assert "optimizer: None" not in out
+
+
+def test_inspect_names_a_corrupted_shard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sharded_run(tmp_path, steps=2)
+    shard = tmp_path / "checkpoints" / "2" / "sharded" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"?")
+    code, _, err = cli(capsys, "inspect", tmp_path / "checkpoints" / "2")
+    assert code != 0 and "__0_0.distcp does not match its sha256" in err

@@ -20,6 +20,11 @@ Why each step of a save is there (a crash may happen between any two of them):
 
 Loading checks the manifest (format, sizes, sha256) before ``torch.load(weights_only=True)``
 touches a byte, so neither a truncated file nor a pickle that would run code is ever unpickled.
+
+A sharded checkpoint (``CheckpointingHook(sharded=...)``, manifest format 3) is made the same way:
+every rank writes its shards into the one temporary directory rank 0 made (``begin``), describes
+its files (``describe_file``), and rank 0 lists them all in the manifest (``save(..., into=...,
+written=...)``), so it is complete only when every rank's part is durable.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ LATEST: Final = "latest"
 KEEP_SUFFIX: Final = "_keep"
 TMP_PREFIX: Final = ".tmp-"
 FORMAT: Final = 2  # 2: a sha256 per CHUNK_BYTES of each file; 1: one sha256 per file (still read)
-READS: Final = (1, 2)
+FORMAT_SHARDED: Final = 3  # format 2 plus "sharded", "world_size", and each shard's writer ("rank")
+READS: Final = (1, 2, 3)
 CHUNK_BYTES: Final = 16 << 20
 
 
@@ -272,6 +278,13 @@ def _file_sums(path: Path, chunk: int, pool: ThreadPoolExecutor) -> list[str]:
     return list(pool.map(one, range(count)))
 
 
+def describe_file(path: Path) -> dict[str, Any]:
+    """The manifest entry of a file already written and synced (by another writer, such as DCP)."""
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainfsm-ckpt-hash") as pool:
+        sums = _file_sums(path, CHUNK_BYTES, pool)
+    return {"bytes": path.stat().st_size, "chunk_bytes": CHUNK_BYTES, "sha256_chunks": sums}
+
+
 def _all_in_host_memory(obj: Any) -> bool:
     """Whether every tensor in ``obj`` (nested dicts, lists, tuples) lives in CPU memory, dense."""
     if isinstance(obj, torch.Tensor):
@@ -302,21 +315,52 @@ class CheckpointStore:
         self._io = self._hashers = None
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, parts: dict[str, Any], *, keep: bool) -> tuple[Checkpoint, int, str]:
-        """Write ``parts`` (file stem -> object) as checkpoint ``step``; returns it, bytes, manifest hash."""
+    def begin(self, step: int) -> Path:
+        """A new temporary directory for checkpoint ``step``, for writers other than ``save`` (the
+        ranks of a sharded save); pass it to ``save(into=...)``, or to ``discard`` on failure."""
         self.root.mkdir(parents=True, exist_ok=True)
-        name = f"{step}{KEEP_SUFFIX}" if keep else str(step)
         tmp = self.root / f"{TMP_PREFIX}{step}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        return tmp
+
+    @staticmethod
+    def discard(tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays behind; older ones are untouched
+
+    def save(
+        self,
+        step: int,
+        parts: dict[str, Any],
+        *,
+        keep: bool,
+        into: Path | None = None,
+        written: dict[str, dict[str, Any]] | None = None,
+        world_size: int | None = None,
+    ) -> tuple[Checkpoint, int, str]:
+        """Write ``parts`` (file stem -> object) as checkpoint ``step``; returns it, bytes, manifest hash.
+
+        A sharded save passes the directory from ``begin`` (``into``), the entries of the files the
+        ranks already wrote there (``written``: name relative to the checkpoint -> ``describe_file``
+        entry with the writer's ``rank``) and the ``world_size`` that wrote them: the manifest lists
+        them beside ``parts`` (format 3), after checking that each is there with its size.
+        """
+        tmp = into if into is not None else self.begin(step)
         try:
-            return self._save_into(tmp, name, step, parts, keep)
+            return self._save_into(tmp, step, parts, keep, written, world_size)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # nothing partial stays behind; older ones are untouched
+            self.discard(tmp)
             raise
 
     def _save_into(
-        self, tmp: Path, name: str, step: int, parts: dict[str, Any], keep: bool
+        self,
+        tmp: Path,
+        step: int,
+        parts: dict[str, Any],
+        keep: bool,
+        written: dict[str, dict[str, Any]] | None,
+        world_size: int | None,
     ) -> tuple[Checkpoint, int, str]:
+        name = f"{step}{KEEP_SUFFIX}" if keep else str(step)
         if self._io is None or self._hashers is None:
             self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-ckpt-io")
             self._hashers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainfsm-ckpt-hash")
@@ -332,16 +376,31 @@ class CheckpointStore:
                 writer.abort()
                 raise
             total += writer.bytes
+        for relative, entry in (written or {}).items():
+            file = tmp / relative
+            size = file.stat().st_size if file.is_file() else None
+            if size is None or size != entry.get("bytes"):
+                raise CheckpointError(
+                    f"rank {entry.get('rank')} wrote {relative} ({entry.get('bytes')} bytes), but this process "
+                    f"finds {'no such file' if size is None else f'{size} bytes'} in {tmp}: sharded checkpoints "
+                    f"need a filesystem that every rank shares (the same path on every node)"
+                )
+            files[relative] = entry
+            total += size
+        for folder in sorted({(tmp / relative).parent for relative in written or {}}):
+            _fsync_dir(folder)  # the other ranks' file names are durable before the manifest names them
         from trainfsm import __version__
 
-        manifest = {
-            "format": FORMAT,
+        manifest: dict[str, Any] = {
+            "format": FORMAT if written is None else FORMAT_SHARDED,
             "step": step,
             "kept": keep,
             "created": time.time(),
             "files": files,
             "versions": {"trainfsm": __version__, "torch": torch.__version__, "python": platform.python_version()},
         }
+        if written is not None:
+            manifest.update(sharded=True, world_size=world_size)
         manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
         checksum = _write_durable(tmp / MANIFEST, manifest_bytes)  # last: it marks the set complete
         _fsync_dir(tmp)
@@ -454,8 +513,14 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ verifying and loading
     @staticmethod
-    def verify(path: Path) -> dict[str, Any]:
-        """The manifest of a complete, intact checkpoint; CheckpointError naming what is wrong."""
+    def verify(path: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The manifest of a complete, intact checkpoint; CheckpointError naming what is wrong.
+
+        ``share=(rank, world_size)``: of a sharded checkpoint, check only this rank's share of the
+        files (those its ``rank`` wrote, modulo ``world_size``; rank 0 also the files without one),
+        so that the ranks verify it together; they must then agree on the outcome. Every file of
+        a checkpoint that is not sharded is checked either way.
+        """
         if not path.is_dir():
             raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
         manifest_path = path / MANIFEST
@@ -477,8 +542,12 @@ class CheckpointStore:
                 f"{manifest_path} describes step {manifest.get('step')!r}, not {parsed[0]} (a manifest from "
                 f"another checkpoint?)"
             )
+        listed: dict[str, Any] = manifest["files"]
+        if share is not None and manifest.get("sharded"):
+            rank, world = share
+            listed = {n: e for n, e in listed.items() if _owner(e, world) == rank}
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainfsm-ckpt-verify") as pool:
-            for name, expected in manifest["files"].items():
+            for name, expected in listed.items():
                 file = path / name
                 if not file.is_file():
                     raise CheckpointError(f"{file} is missing (listed in {MANIFEST})")
@@ -492,11 +561,16 @@ class CheckpointStore:
         return manifest  # type: ignore[no-any-return]
 
     @classmethod
-    def load(cls, path: Path) -> dict[str, Any]:
-        """Verify, then load every file with ``weights_only=True``: file stem -> object."""
-        manifest = cls.verify(path)
+    def load(cls, path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Verify (unless given the ``manifest`` ``verify`` returned), then load every ``.pt`` file
+        with ``weights_only=True``: file stem -> object. Of a sharded checkpoint, that is
+        ``training_state`` and ``hooks``: its model and optimizer are read with DCP (the hook does)."""
+        if manifest is None:
+            manifest = cls.verify(path)
         parts = {}
         for name in manifest["files"]:
+            if "/" in name or not name.endswith(".pt"):
+                continue  # a shard of a sharded checkpoint
             try:
                 parts[name.removesuffix(".pt")] = torch.load(path / name, map_location="cpu", weights_only=True)
             except Exception as exc:  # weights_only refuses arbitrary pickles: say so, run nothing
@@ -526,6 +600,13 @@ class CheckpointStore:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
                 removed.append(checkpoint)
         return removed
+
+
+def _owner(entry: dict[str, Any], world: int) -> int:
+    """The rank that verifies a file of a sharded checkpoint: the one that wrote it, modulo the
+    world size that reads it; rank 0 for files rank 0 wrote alone (training_state.pt, hooks.pt)."""
+    rank = entry.get("rank", 0)
+    return rank % world if isinstance(rank, int) and rank >= 0 else 0
 
 
 def _check_pointer(pointer: str) -> None:
@@ -558,6 +639,7 @@ def _read_pointer(path: Path) -> str | None:
 
 def check_fits(path: Path, current: dict[str, Any], saved: dict[str, Any]) -> None:
     """Refuse a model state whose keys or shapes differ from the model's, naming them all.
+    ``saved`` holds tensors, or (a sharded checkpoint's metadata) their global ``torch.Size``.
 
     Checked before anything is loaded, so a mismatch changes nothing: torch would otherwise
     report only the first problem it meets, or fail on the optimizer's state first.
@@ -565,11 +647,11 @@ def check_fits(path: Path, current: dict[str, Any], saved: dict[str, Any]) -> No
     missing = sorted(set(current) - set(saved))
     unexpected = sorted(set(saved) - set(current))
     shapes = sorted(
-        f"{key} (checkpoint {tuple(saved[key].shape)}, model {tuple(current[key].shape)})"
+        f"{key} (checkpoint {tuple(saved_shape)}, model {tuple(model_shape)})"
         for key in set(current) & set(saved)
-        if isinstance(current[key], torch.Tensor)
-        and isinstance(saved[key], torch.Tensor)
-        and current[key].shape != saved[key].shape
+        if (model_shape := _shape(current[key])) is not None
+        and (saved_shape := _shape(saved[key])) is not None
+        and model_shape != saved_shape
     )
     problems = [
         f"{label}: {', '.join(items)}"
@@ -581,3 +663,9 @@ def check_fits(path: Path, current: dict[str, Any], saved: dict[str, Any]) -> No
             f"{path} does not fit the model ({'; '.join(problems)}). Resume with the model it was saved "
             f"from, or load it with load=None and copy the weights you want yourself."
         )
+
+
+def _shape(value: Any) -> torch.Size | None:
+    if isinstance(value, torch.Tensor):
+        return value.shape  # a DTensor's is the global shape
+    return value if isinstance(value, torch.Size) else None

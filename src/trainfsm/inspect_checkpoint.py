@@ -5,6 +5,10 @@ and sha256 checksums. Only then are the files opened, with ``torch.load(weights_
 pickle can run code) and ``mmap=True`` (a large checkpoint is paged in as it is looked at, not read
 whole into memory).
 
+A sharded checkpoint (written with torch.distributed.checkpoint) needs no process group here:
+its files are verified the same way, and DCP's ``.metadata`` (read with an unpickler that allows
+only DCP's own types) gives each entry's key, global shape and dtype; the shards are not read.
+
 The path may name a checkpoint directory (``checkpoints/1000``), a store (``checkpoints``: its
 ``latest``) or a workspace (``WORKSPACE/checkpoints/latest``).
 """
@@ -31,7 +35,8 @@ class Inspection:
     path: Path
     resolved_from: str | None  # how ``path`` was found from what was given, if not given directly
     manifest: dict[str, Any]
-    parts: dict[str, Any]  # file stem -> loaded object
+    parts: dict[str, Any]  # file stem -> loaded object (the .pt files)
+    sharded: dict[str, Any] | None = None  # DCP key -> TensorStorageMetadata / BytesStorageMetadata
 
 
 def resolve(given: Path) -> tuple[Path, str | None]:
@@ -53,8 +58,13 @@ def inspect(given: Path) -> Inspection:
     """Verify and load the checkpoint ``given`` names; ``CheckpointError`` when it is not intact."""
     path, how = resolve(given)
     manifest = CheckpointStore.verify(path)
-    parts = {name.removesuffix(".pt"): _load(path / name) for name in manifest["files"]}
-    return Inspection(path, how, manifest, parts)
+    parts = {name.removesuffix(".pt"): _load(path / name) for name in manifest["files"] if "/" not in name}
+    entries = None
+    if manifest.get("sharded"):
+        from trainfsm import sharded
+
+        entries = dict(sharded.read_metadata(path / sharded.SUBDIR).state_dict_metadata)
+    return Inspection(path, how, manifest, parts, entries)
 
 
 def _load(file: Path) -> Any:
@@ -94,7 +104,13 @@ def render(found: Inspection) -> str:
     lines.append("files:")
     manifest_bytes = (found.path / MANIFEST).stat().st_size
     lines.append(f"  {MANIFEST:<22} {_size(manifest_bytes):>10}")
-    lines.extend(f"  {name:<22} {_size(info['bytes']):>10}  {_sums(info)}" for name, info in files.items())
+    lines.extend(
+        f"  {name:<22} {_size(info['bytes']):>10}  {_sums(info)}" + (f"  rank {info['rank']}" if "rank" in info else "")
+        for name, info in files.items()
+    )
+    if found.sharded is not None:
+        lines.append("")
+        lines.extend(_render_sharded(found.sharded, manifest.get("world_size")))
     model = parts.get("model", {}).get("model") if isinstance(parts.get("model"), dict) else None
     if isinstance(model, dict):
         lines.append("")
@@ -128,9 +144,43 @@ def _render_model(model: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _render_sharded(entries: dict[str, Any], world_size: Any) -> list[str]:
+    """Model and optimizer of a sharded checkpoint, from DCP's metadata: global shapes, dtypes."""
+    ranks = f"{world_size} rank{'' if world_size == 1 else 's'}"
+    lines = [f"sharded (torch.distributed.checkpoint), written by {ranks}: model and optimizer"]
+    model = {k.removeprefix("model."): v for k, v in entries.items() if k.startswith("model.")}
+    tensors = {k: v for k, v in model.items() if getattr(v, "size", None) is not None}
+    count = sum(_numel(v.size) for v in tensors.values())
+    size = sum(_numel(v.size) * v.properties.dtype.itemsize for v in tensors.values())
+    lines.append(f"model (sharded/): {len(model)} entries, {count:,} values, {_size(size)}")
+    width = max((len(name) for name in model), default=0)
+    for name, entry in model.items():
+        lines.append(f"  {name:<{width}}  {_entry(entry)}")
+    optimizer = [k for k in entries if k.startswith("optimizer.")]
+    state_keys = sorted({k.rsplit(".", 1)[1] for k in optimizer if k.startswith("optimizer.state.")})
+    lines.append(f"optimizer (sharded/): {len(optimizer)} entries; state {', '.join(state_keys) or 'empty'}")
+    return lines
+
+
+def _entry(entry: Any) -> str:
+    size = getattr(entry, "size", None)
+    if size is None:
+        return "bytes"
+    shape = "(" + ", ".join(map(str, size)) + ("," if len(size) == 1 else "") + ")"
+    return f"{shape:<16} {str(entry.properties.dtype).removeprefix('torch.')}"
+
+
+def _numel(size: Any) -> int:
+    count = 1
+    for dim in size:
+        count *= int(dim)
+    return count
+
+
 def _render_training_state(state: dict[str, Any]) -> list[str]:
     lines = ["training state (training_state.pt): " + ", ".join(f"{k} {state.get(k)}" for k in _SCALARS)]
-    lines.extend(_render_optimizer(state.get("optimizer")))
+    if "optimizer" in state:  # a sharded checkpoint's optimizer is under sharded/
+        lines.extend(_render_optimizer(state["optimizer"]))
     for key in ("lr_scheduler", "grad_scaler"):
         value = state.get(key)
         lines.append(f"  {key}: " + ("none" if not value else _keys(value)))

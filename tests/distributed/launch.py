@@ -133,12 +133,18 @@ class Ranks:
 
 
 def run_worker(
-    scenario: str, out: Path, timeout: float, *args: str, world: int = 2, ranks: Iterable[int] | None = None
+    scenario: str,
+    out: Path,
+    timeout: float,
+    *args: str,
+    world: int = 2,
+    ranks: Iterable[int] | None = None,
+    worker: Path = WORKER,
 ) -> Outcome:
-    """Run ``tests/distributed/worker.py SCENARIO --out OUT ARGS`` on ``world`` ranks; wait for
-    all of them, or for ``ranks`` only (the others are killed once those ended)."""
+    """Run ``tests/distributed/worker.py SCENARIO --out OUT ARGS`` (or another ``worker`` script) on
+    ``world`` ranks; wait for all of them, or for ``ranks`` only (the others are killed once those ended)."""
     out.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, str(WORKER), scenario, "--out", str(out), *args]
+    argv = [sys.executable, str(worker), scenario, "--out", str(out), *args]
     with Ranks(lambda rank: argv, out, world=world) as started:
         return started.wait(timeout, ranks)
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from trainfsm import data_state, rng
-from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore, check_fits
+from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore, check_fits, describe_file
 from trainfsm.hooks.base import BaseHook
 from trainfsm.signals import exit_policy
 from trainfsm.utils import map_nested_tensor
@@ -40,6 +41,16 @@ class CheckpointingHook(BaseHook):
     ``async_save`` stages the state to CPU memory and writes it on a background thread while
     training goes on: at most one save in flight, a failure raises at the next step or at EXIT, and
     EXIT waits until the last save is durable.
+
+    ``sharded`` says how a model state split over ranks (FSDP2 ``fully_shard`` with the default
+    ``state_dict_options``) is saved: ``"auto"`` (default) writes a sharded checkpoint exactly then,
+    and a full one from rank 0 otherwise; ``True`` always writes sharded checkpoints; ``False``
+    always writes from rank 0 and refuses a sharded state. In a sharded checkpoint every rank
+    writes its own shards of the model and optimizer with ``torch.distributed.checkpoint`` into the
+    one temporary directory rank 0 made; the checkpoint is complete (manifest, rename, ``latest``)
+    only once every rank's files are durable, so the ranks must share one filesystem. Loading
+    follows the checkpoint, whatever ``sharded`` says; a sharded one loads on any world size (DCP
+    reshards). Sharded saves are synchronous: ``async_save=True`` is refused with them.
     """
 
     def __init__(
@@ -57,6 +68,7 @@ class CheckpointingHook(BaseHook):
         async_save: bool = False,
         requeue: bool | Literal["auto"] = "auto",
         max_requeues: int | None = None,
+        sharded: bool | Literal["auto"] = "auto",
     ) -> None:
         self.interval = int_at_least("CheckpointingHook interval", interval, 1)
         self.keep_previous = int_at_least("CheckpointingHook keep_previous", keep_previous, 0)
@@ -81,6 +93,19 @@ class CheckpointingHook(BaseHook):
             raise ValueError(f"CheckpointingHook data_resume must be one of {data_state.MODES}; got {data_resume!r}.")
         self.data_resume = data_resume
         self.async_save = async_save
+        if not (isinstance(sharded, bool) or (isinstance(sharded, str) and sharded == "auto")):
+            raise ValueError(
+                f"CheckpointingHook sharded must be True, False or 'auto' (sharded exactly when the model "
+                f"state is split over ranks); got {sharded!r}."
+            )
+        if sharded is True and async_save:
+            raise ValueError(
+                "CheckpointingHook(sharded=True) cannot be combined with async_save=True: every rank writes "
+                "its shards of a sharded checkpoint synchronously. Pass async_save=False, or sharded=False "
+                "(with full state_dict_options) to write the whole state from rank 0 in the background."
+            )
+        self.sharded = sharded
+        self.saves_sharded = False  # decided in RESTORE, from the model and the trainer's options
         self.store: CheckpointStore | None = None
         self.loaded_from: Path | None = None
         self._writer: ThreadPoolExecutor | None = None
@@ -90,42 +115,96 @@ class CheckpointingHook(BaseHook):
 
     # ------------------------------------------------------------------ RESTORE
     def on_enter_restore(self, trainer: BaseTrainer) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from trainfsm.sharded import sharded_view
+
         self.store = store = CheckpointStore(self._root(trainer))
         log = trainer.audit
         if trainer.rank == 0:
             removed = store.remove_leftovers()
             if removed:
                 log.warning("checkpoint_tmp_removed", names=removed)
+        # Keys and (global) shapes only, on every rank alike: a sharded view needs no gather, and a
+        # full one with cpu_offload=True is empty on every rank but 0.
+        current = get_model_state_dict(trainer.model, options=sharded_view(trainer.state_dict_options))  # type: ignore[arg-type]
+        self.saves_sharded = self._saves_sharded(trainer, current)
         if self.load is None:
             return
         if self.load == "latest":
-            for checkpoint in store.candidates():
+            # Rank 0's list: every rank tries the same checkpoints in the same order.
+            names = _from_rank0([c.path.name for c in store.candidates()], trainer.world_size)
+            for name in names:
+                path = store.root / name
                 try:
-                    parts = store.load(checkpoint.path)
+                    manifest, parts = self._verified(trainer, path)
                 except CheckpointError as exc:
-                    log.warning("checkpoint_skipped", path=str(checkpoint.path), reason=str(exc))
+                    log.warning("checkpoint_skipped", path=str(path), reason=str(exc))
                     continue
-                self._restore(trainer, checkpoint.path, parts)
+                self._restore(trainer, path, manifest, parts, current)
                 return
             return
         path = Path(self.load)
         if not path.is_absolute() and (store.root / path).exists():  # "1000" means checkpoints/1000
             path = store.root / path
-        self._restore(trainer, path, store.load(path))
+        manifest, parts = self._verified(trainer, path)
+        self._restore(trainer, path, manifest, parts, current)
 
-    def _restore(self, trainer: BaseTrainer, path: Path, parts: dict[str, Any]) -> None:
+    def _saves_sharded(self, trainer: BaseTrainer, current: dict[str, Any]) -> bool:
+        """Whether CHECKPOINT writes sharded checkpoints; decided once, alike on every rank."""
+        from trainfsm.sharded import holds_sharded, is_sharded
+
+        options = trainer.state_dict_options
+        split = holds_sharded(current) and not (options is not None and options.full_state_dict)
+        if self.sharded is False:
+            if split:
+                raise _refusal(next(key for key, value in current.items() if is_sharded(value)))
+            return False
+        if (self.sharded is True or split) and self.async_save:
+            raise CheckpointError(
+                "CheckpointingHook(async_save=True) cannot save this model: its state is split over ranks "
+                "(FSDP's default state_dict_options), so each rank writes its shards, and sharded checkpoints "
+                "are written synchronously. Pass async_save=False, or the trainer state_dict_options="
+                "StateDictOptions(full_state_dict=True, cpu_offload=True) to write the whole state from rank 0 "
+                "in the background."
+            )
+        return self.sharded is True or split
+
+    def _verified(self, trainer: BaseTrainer, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The manifest and ``.pt`` parts of ``path`` once every rank found its share intact; otherwise
+        the same CheckpointError on every rank (so that all skip it, or all load it).
+
+        Each rank checks its own share of a sharded checkpoint (``verify(share=...)``) and every file
+        of a full one; a part that another rank checks may be loaded before its verdict arrives, which
+        is safe (``weights_only=True``) and is thrown away if that verdict is no.
+        """
+        rank, world = trainer.rank, trainer.world_size
+        manifest: dict[str, Any] = {}
+        parts: dict[str, Any] = {}
+        error: str | None = None
+        try:
+            manifest = CheckpointStore.verify(path, share=(rank, world))
+            parts = CheckpointStore.load(path, manifest)
+        except CheckpointError as exc:
+            error = str(exc)
+        if world > 1:
+            found = _gather({"error": error}, world)
+            error = next((f"rank {r}: {e['error']}" for r, e in enumerate(found) if e["error"] is not None), None)
+        if error is not None:
+            raise CheckpointError(error)
+        return manifest, parts
+
+    def _restore(
+        self, trainer: BaseTrainer, path: Path, manifest: dict[str, Any], parts: dict[str, Any], current: dict[str, Any]
+    ) -> None:
         state = {**parts.get("model", {}), **parts.get("training_state", {}), **parts.get("hooks", {})}
         ranks = state.pop("ranks", None)
-        from dataclasses import replace
-
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # Keys and (global) shapes only, on every rank alike: a sharded view needs no gather, and a
-        # full one with cpu_offload=True is empty on every rank but 0.
-        view = replace(trainer.state_dict_options or StateDictOptions(), full_state_dict=False, cpu_offload=False)
-        current = get_model_state_dict(trainer.model, options=view)  # type: ignore[arg-type]
-        check_fits(path, current, state["model"])
-        trainer.load_state_dict(state)
+        sharded = bool(manifest.get("sharded"))
+        if sharded:
+            self._load_sharded(trainer, path, state, current)
+        else:
+            check_fits(path, current, state["model"])
+            trainer.load_state_dict(state)
         if ranks:
             # Each rank resumes its own random streams; on a different world size, rank 0's.
             mine = ranks[trainer.rank] if trainer.rank < len(ranks) else ranks[0]
@@ -134,7 +213,31 @@ class CheckpointingHook(BaseHook):
             else:
                 trainer.resume_data(self.data_resume, mine["data"], mine["rng"])
         self.loaded_from = path
-        trainer.audit.info("checkpoint_loaded", path=str(path), from_step=trainer.step)
+        trainer.audit.info(
+            "checkpoint_loaded",
+            path=str(path),
+            from_step=trainer.step,
+            sharded=sharded,
+            **({"saved_world_size": manifest.get("world_size")} if sharded else {}),
+        )
+
+    def _load_sharded(self, trainer: BaseTrainer, path: Path, state: dict[str, Any], current: dict[str, Any]) -> None:
+        """Model and optimizer in place with DCP (each rank reads what its shards need, whatever the
+        world size that saved them), then the rest through ``trainer.load_state_dict``."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from trainfsm import sharded
+
+        directory = path / sharded.SUBDIR
+        check_fits(path, current, sharded.saved_shapes(sharded.read_metadata(directory)))
+        view = sharded.sharded_view(trainer.state_dict_options)
+        # The optimizer's state exists only after a step; get_state_dict creates it (zeros) so that
+        # DCP has tensors to read into.
+        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=view)  # type: ignore[arg-type]
+        target = {"model": model_state, "optimizer": optim_state}
+        sharded.load(target, directory)
+        with _state_dict_options(trainer, view):
+            trainer.load_state_dict({**state, **target})
 
     # ------------------------------------------------------------------ CHECKPOINT
     def wants_checkpoint(self, trainer: BaseTrainer) -> bool:
@@ -150,6 +253,9 @@ class CheckpointingHook(BaseHook):
 
     def on_enter_checkpoint(self, trainer: BaseTrainer) -> None:
         self._settle(trainer, wait=True)  # at most one save in flight
+        if self.saves_sharded:
+            self._save_sharded(trainer)
+            return
         state = trainer.state_dict()  # every rank: FSDP gathers collectively
         _refuse_sharded(state["model"])  # on every rank alike, before any rank writes or waits
         ranks = _gather({"rng": rng.capture(), "data": trainer.data_state()}, trainer.world_size)
@@ -173,6 +279,90 @@ class CheckpointingHook(BaseHook):
             else:
                 self._log_saved(trainer, self._write(step, parts, keep), blocked=None)
         _barrier(trainer.world_size)  # no rank runs ahead of a checkpoint that is not durable yet
+
+    def _save_sharded(self, trainer: BaseTrainer) -> None:
+        """Every rank writes its shards into rank 0's temporary directory; rank 0 writes the rest and,
+        once every rank's files are durable and listed, the manifest; then every rank learns the
+        outcome. Three small collectives besides DCP's own: the directory and per-rank state, the
+        files' entries, the outcome. Any failure raises the same CheckpointError on every rank and
+        leaves the previous complete checkpoint in place."""
+        from trainfsm import sharded
+
+        store = self._opened_store()
+        rank, world = trainer.rank, trainer.world_size
+        step, keep = trainer.step, self._kept(trainer.step)
+        started = time.perf_counter()
+        view = sharded.sharded_view(trainer.state_dict_options)
+        with _state_dict_options(trainer, view):
+            state = trainer.state_dict()  # each rank its own shards: nothing is gathered
+        tmp: Path | None = None
+        error: str | None = None
+        if rank == 0:
+            try:
+                tmp = store.begin(step)
+            except OSError as exc:
+                error = f"could not create a directory under {store.root}: {exc}"
+        mine = {"rng": rng.capture(), "data": trainer.data_state()}
+        shared = _gather({"state": mine, "tmp": None if tmp is None else str(tmp), "error": error}, world)
+        if shared[0]["error"] is not None:
+            raise CheckpointError(f"sharded checkpoint at step {step} was not saved: rank 0 {shared[0]['error']}")
+        tmp = Path(shared[0]["tmp"])
+        try:
+            self._write_sharded(trainer, store, step, keep, state, shared, tmp, started)
+        except BaseException:
+            if rank == 0:  # e.g. a peer died: this save can never complete; leave nothing behind
+                store.discard(tmp)
+            raise
+
+    def _write_sharded(
+        self,
+        trainer: BaseTrainer,
+        store: CheckpointStore,
+        step: int,
+        keep: bool,
+        state: dict[str, Any],
+        shared: list[dict[str, Any]],
+        tmp: Path,
+        started: float,
+    ) -> None:
+        from trainfsm import sharded
+
+        rank, world = trainer.rank, trainer.world_size
+        directory = tmp / sharded.SUBDIR
+        error: str | None = None
+        written: dict[str, dict[str, Any]] = {}
+        try:
+            for name in sharded.save({"model": state["model"], "optimizer": state["optimizer"]}, directory, rank):
+                written[f"{sharded.SUBDIR}/{name}"] = {**describe_file(directory / name), "rank": rank}
+        except Exception as exc:  # reported to rank 0 below, so that no rank waits for another
+            error = f"{type(exc).__name__}: {exc}"
+        entries = _gather({"files": written, "error": error}, world)
+        outcome: str | None = None
+        saved: _Saved | None = None
+        if rank == 0:
+            errors = [f"rank {r}: {e['error']}" for r, e in enumerate(entries) if e["error"] is not None]
+            if errors:
+                store.discard(tmp)
+                outcome = "; ".join(errors)
+            else:
+                training = {key: state[key] for key in TRAINING_KEYS if key != "optimizer"}  # optimizer: DCP
+                parts: dict[str, Any] = {"training_state": {**training, "ranks": [s["state"] for s in shared]}}
+                extra = {key: value for key, value in state.items() if key not in MODEL_KEYS + TRAINING_KEYS}
+                if extra:
+                    parts["hooks"] = extra
+                files = {name: entry for e in entries for name, entry in e["files"].items()}
+                try:
+                    saved = self._write(step, parts, keep, into=tmp, written=files, world_size=world)
+                except Exception as exc:  # store.save removed the directory
+                    outcome = f"{type(exc).__name__}: {exc}"
+        # The outcome doubles as the barrier: no rank runs ahead of a checkpoint that is not durable.
+        outcome = _from_rank0(outcome, world)
+        if outcome is not None:
+            raise CheckpointError(
+                f"sharded checkpoint at step {step} was not saved ({outcome}); the previous complete checkpoint is kept"
+            )
+        if saved is not None:
+            self._log_saved(trainer, saved._replace(seconds=time.perf_counter() - started), blocked=None, world=world)
 
     def _copy_then_write(
         self,
@@ -201,16 +391,22 @@ class CheckpointingHook(BaseHook):
             self._blocked += time.perf_counter() - started
             self._staging = None
 
-    def _write(self, step: int, parts: dict[str, Any], keep: bool) -> _Saved:
-        """Save, then prune: ``latest`` has moved to a durable checkpoint before anything is deleted."""
+    def _opened_store(self) -> CheckpointStore:
         if self.store is None:
             raise RuntimeError("CheckpointingHook saves in CHECKPOINT only after RESTORE opened its store")
-        started = time.perf_counter()
-        checkpoint, size, checksum = self.store.save(step, parts, keep=keep)
-        seconds = time.perf_counter() - started
-        return _Saved(checkpoint.path, checkpoint.kept, size, checksum, seconds, self.store.prune(self.keep_previous))
+        return self.store
 
-    def _log_saved(self, trainer: BaseTrainer, saved: _Saved, blocked: float | None) -> None:
+    def _write(self, step: int, parts: dict[str, Any], keep: bool, **sharded: Any) -> _Saved:
+        """Save, then prune: ``latest`` has moved to a durable checkpoint before anything is deleted.
+        ``sharded``: ``into``, ``written``, ``world_size`` of a sharded save (see ``CheckpointStore.save``)."""
+        store = self._opened_store()
+        started = time.perf_counter()
+        checkpoint, size, checksum = store.save(step, parts, keep=keep, **sharded)
+        seconds = time.perf_counter() - started
+        return _Saved(checkpoint.path, checkpoint.kept, size, checksum, seconds, store.prune(self.keep_previous))
+
+    def _log_saved(self, trainer: BaseTrainer, saved: _Saved, blocked: float | None, world: int | None = None) -> None:
+        """``world``: the world size that wrote a sharded checkpoint (``bytes`` counts every rank's files)."""
         trainer.audit.info(
             "checkpoint_saved",
             path=str(saved.path),
@@ -220,7 +416,9 @@ class CheckpointingHook(BaseHook):
             checksum=saved.checksum,
             kept=saved.kept,
             asynchronous=blocked is not None,
+            sharded=world is not None,
             **({"blocked_seconds": round(blocked, 6)} if blocked is not None else {}),
+            **({"world_size": world} if world is not None else {}),
         )
         if saved.pruned:
             trainer.audit.info("checkpoint_pruned", paths=[str(c.path) for c in saved.pruned])
@@ -328,16 +526,44 @@ def _barrier(world_size: int) -> None:
         dist.barrier()
 
 
+def _from_rank0(value: Any, world_size: int) -> Any:
+    """Rank 0's ``value``, on every rank (a decision all must share)."""
+    if world_size == 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@contextlib.contextmanager
+def _state_dict_options(trainer: BaseTrainer, options: Any) -> Iterator[None]:
+    """``trainer.state_dict()`` / ``load_state_dict()`` with ``options`` (a sharded save or load uses
+    each rank's shards, whatever the trainer's own options say), then the trainer's own again."""
+    saved = trainer.state_dict_options
+    trainer.state_dict_options = options
+    try:
+        yield
+    finally:
+        trainer.state_dict_options = saved
+
+
 def _refuse_sharded(model_state: dict[str, Any]) -> None:
-    """Rank 0 writes the checkpoint alone: a model state split over ranks (FSDP with sharded
-    state_dict_options, the default) would save rank 0's shards only, and a resume would load
-    them into every rank's shard."""
+    """Rank 0 writes a full checkpoint alone: a model state split over ranks would save rank 0's
+    shards only, and a resume would load them into every rank's shard."""
+    from trainfsm.sharded import is_sharded
+
     for key, value in model_state.items():
-        placements = getattr(value, "placements", None)  # a DTensor
-        if placements is not None and not all(p.is_replicate() for p in placements):
-            raise CheckpointError(
-                f"model state {key!r} is sharded over ranks ({type(value).__name__} {placements}), but "
-                f"CheckpointingHook writes rank 0's state only; pass the trainer "
-                f"state_dict_options=StateDictOptions(full_state_dict=True, cpu_offload=True) "
-                f"(torch.distributed.checkpoint.state_dict) to save the whole model from rank 0."
-            )
+        if is_sharded(value):
+            raise _refusal(key, f" ({type(value).__name__} {value.placements})")
+
+
+def _refusal(key: str, what: str = "") -> CheckpointError:
+    return CheckpointError(
+        f"model state {key!r} is sharded over ranks{what}, but CheckpointingHook(sharded=False) writes "
+        f"rank 0's state only; pass sharded='auto' (the default) or True to have every rank write its "
+        f"shards with torch.distributed.checkpoint, or the trainer state_dict_options="
+        f"StateDictOptions(full_state_dict=True, cpu_offload=True) "
+        f"(torch.distributed.checkpoint.state_dict) to save the whole model from rank 0."
+    )

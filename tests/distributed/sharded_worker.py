@@ -1,0 +1,150 @@
+"""One rank of a sharded-checkpoint scenario (``tests/test_sharded_checkpoints.py`` starts them).
+
+    python tests/distributed/sharded_worker.py SCENARIO --out DIR [--action die_rank0]
+
+Models, data and the trainer come from ``worker.py``. Each scenario writes what the test checks
+to ``DIR/SCENARIO.rank{R}.pt`` and its runs' workspaces (checkpoints, audit trails) under ``DIR``.
+
+- ``world1_before`` (1 process): a full checkpoint of a plain model, for a 2-rank DDP resume.
+- ``fsdp`` (2 ranks): FSDP2 runs with sharded checkpoints: uninterrupted, saved then resumed,
+  a corrupted shard, ``sharded=False``, a stateless optimizer; DDP saving a full checkpoint; DDP
+  resuming the 1-process checkpoint.
+- ``world1_after`` (1 process): resumes the 2-rank DDP full checkpoint and the 2-rank sharded one.
+- ``kill`` (2 ranks): sharded saves at steps 2 and 4; ``--action die_rankR`` kills rank R with
+  ``os._exit`` in the middle of the step-4 save, after the shards are written, before the manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.distributed.worker import _params, ddp, fsdp_mlp, make_trainer, mlp
+from trainfsm import BaseHook, CheckpointingHook
+
+
+class Snapshot(BaseHook):
+    """The parameters as RESTORE left them (gathered when sharded)."""
+
+    def __init__(self) -> None:
+        self.restored: list[torch.Tensor] | None = None
+
+    def on_exit_restore(self, trainer: Any) -> None:
+        self.restored = _params(trainer)
+
+
+def train(workspace: Path, model: Any, steps: int, optimizer: str = "adam", **hook: Any) -> dict[str, Any]:
+    """One run; its parameters after RESTORE and at the end, or its error."""
+    snapshot = Snapshot()
+    hook.setdefault("interval", 3)
+    trainer = make_trainer(
+        model=model, optimizer=optimizer, lr=0.01, max_steps=steps, workspace=workspace,
+        hooks=[CheckpointingHook(**hook), snapshot],
+    )  # fmt: skip
+    try:
+        trainer.train()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "step": trainer.step}
+    return {"error": None, "restored": snapshot.restored, "params": _params(trainer), "step": trainer.step}
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def scenario_world1_before(out: Path, rank: int) -> dict[str, Any]:
+    return {"ddp1to2": train(out / "ddp1to2", mlp, 3)}
+
+
+def scenario_fsdp(out: Path, rank: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    result["uninterrupted"] = train(out / "uninterrupted", fsdp_mlp, 6)
+    result["first"] = train(out / "resume", fsdp_mlp, 3)
+    result["resumed"] = train(out / "resume", lambda: fsdp_mlp(1), 6)  # other initial weights: all loaded
+
+    # Two sharded checkpoints (2, 4); then a flipped byte in rank 1's shard of the newest: rank 1
+    # finds it, and both ranks must load step 2.
+    result["corrupt_first"] = train(out / "corrupt", fsdp_mlp, 4, interval=2, keep_previous=1)
+    barrier()
+    if rank == 0:
+        shard = out / "corrupt" / "checkpoints" / "4" / "sharded" / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    barrier()
+    result["corrupt_resumed"] = train(out / "corrupt", fsdp_mlp, 4, interval=2, keep_previous=1)
+
+    result["refused"] = train(out / "refused", fsdp_mlp, 3, sharded=False)
+    result["sgd_first"] = train(out / "sgd", fsdp_mlp, 3, optimizer="sgd")
+    result["sgd_resumed"] = train(out / "sgd", lambda: fsdp_mlp(1), 3, optimizer="sgd")
+
+    result["ddp2to1"] = train(out / "ddp2to1", lambda: ddp(mlp()), 3)  # full: DDP's state is not split
+    result["ddp1to2"] = train(out / "ddp1to2", lambda: ddp(mlp(1)), 5)
+    return result
+
+
+def scenario_world1_after(out: Path, rank: int) -> dict[str, Any]:
+    shutil.copytree(out / "resume" / "checkpoints", out / "fsdp2to1" / "checkpoints", symlinks=True)
+    return {
+        "ddp2to1": train(out / "ddp2to1", lambda: mlp(1), 5),
+        "fsdp2to1": train(out / "fsdp2to1", lambda: fsdp_mlp(1), 8),
+    }
+
+
+def scenario_kill(out: Path, rank: int, action: str) -> dict[str, Any]:
+    if action == f"die_rank{rank}":
+        import trainfsm.hooks.checkpointing as checkpointing
+
+        describe = checkpointing.describe_file
+
+        def die_in_step_4_save(path: Path) -> dict[str, Any]:
+            if ".tmp-4-" in str(path):
+                os._exit(9)  # like a SIGKILL: no cleanup, no goodbye to the process group
+            return describe(path)
+
+        checkpointing.describe_file = die_in_step_4_save  # type: ignore[assignment]
+    return {"run": train(out / "kill", fsdp_mlp, 4, interval=2, keep_previous=1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("scenario")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--pg-timeout", type=float, default=20.0)
+    parser.add_argument("--action", default="none")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    from trainfsm.distributed import cleanup_distributed, init_distributed
+
+    layout = init_distributed(backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
+    if layout is None:
+        sys.exit("sharded_worker.py runs under tests/distributed/launch.py, which sets RANK and WORLD_SIZE")
+    try:
+        if args.scenario == "world1_before":
+            result = scenario_world1_before(args.out, layout.rank)
+        elif args.scenario == "fsdp":
+            result = scenario_fsdp(args.out, layout.rank)
+        elif args.scenario == "world1_after":
+            result = scenario_world1_after(args.out, layout.rank)
+        elif args.scenario == "kill":
+            result = scenario_kill(args.out, layout.rank, args.action)
+        else:
+            raise SystemExit(f"unknown scenario {args.scenario!r}")
+        torch.save(result, args.out / f"{args.scenario}.rank{layout.rank}.pt")
+        barrier()  # leave together: gloo may abort a rank whose peer tore down first
+    finally:
+        cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main()
