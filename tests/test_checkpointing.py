@@ -518,3 +518,35 @@ def test_a_flipped_byte_in_a_later_chunk_is_found(tmp_path: Path) -> None:
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(CheckpointError, match=f"{model} does not match its sha256"):
         CheckpointStore.verify(checkpoint.path)
+
+
+# ---------------------------------------------------------------- max_epochs (5 batches an epoch)
+def test_max_epochs_saves_the_last_completed_step_once(tmp_path: Path) -> None:
+    trainer = Trainer(CheckpointingHook(interval=4), max_steps=100, max_epochs=2, workspace=tmp_path)
+    trainer.train()
+    assert trainer.step == 10
+    assert [e["saved_step"] for e in events(tmp_path, "checkpoint_saved")] == [4, 8, 10]
+
+
+def test_max_epochs_ending_at_an_interval_step_does_not_save_it_twice(tmp_path: Path) -> None:
+    Trainer(CheckpointingHook(interval=5), max_steps=100, max_epochs=2, workspace=tmp_path).train()
+    assert [e["saved_step"] for e in events(tmp_path, "checkpoint_saved")] == [5, 10]
+
+
+def test_a_run_resumed_inside_max_epochs_ends_exactly_like_an_uninterrupted_one(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    random.seed(1)
+    straight = Trainer(CheckpointingHook(interval=3), max_steps=100, max_epochs=2, workspace=tmp_path / "a")
+    straight.train()
+    torch.manual_seed(1)
+    random.seed(1)
+    Trainer(CheckpointingHook(interval=3), max_steps=7, max_epochs=2, workspace=tmp_path / "b").train()
+    torch.manual_seed(123)  # the checkpoint's random states must win over whatever the process has
+    resumed = Trainer(CheckpointingHook(interval=3), max_steps=100, max_epochs=2, workspace=tmp_path / "b")
+    resumed.train()
+    assert (straight.step, resumed.step) == (10, 10)
+    assert all(torch.equal(a, b) for a, b in zip(params(straight), params(resumed), strict=True))
+    again = Trainer(CheckpointingHook(interval=3), max_steps=100, max_epochs=2, workspace=tmp_path / "b")
+    again.train()  # at the end of the data already: nothing trained, nothing saved
+    assert again.step == 10
+    assert [e["saved_step"] for e in events(tmp_path / "b", "checkpoint_saved")] == [3, 6, 7, 9, 10]

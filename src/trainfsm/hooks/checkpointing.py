@@ -108,6 +108,7 @@ class CheckpointingHook(BaseHook):
         self.saves_sharded = False  # decided in RESTORE, from the model and the trainer's options
         self.store: CheckpointStore | None = None
         self.loaded_from: Path | None = None
+        self._on_disk: int | None = None  # the step last saved or loaded: never written twice
         self._writer: ThreadPoolExecutor | None = None
         self._inflight: Future[_Saved] | None = None
         self._staging: threading.Event | None = None
@@ -213,6 +214,7 @@ class CheckpointingHook(BaseHook):
             else:
                 trainer.resume_data(self.data_resume, mine["data"], mine["rng"])
         self.loaded_from = path
+        self._on_disk = trainer.step
         trainer.audit.info(
             "checkpoint_loaded",
             path=str(path),
@@ -253,6 +255,10 @@ class CheckpointingHook(BaseHook):
 
     def on_enter_checkpoint(self, trainer: BaseTrainer) -> None:
         self._settle(trainer, wait=True)  # at most one save in flight
+        if trainer.step == self._on_disk:
+            # Only ``exhausted`` (max_epochs) comes here for a step already saved or loaded.
+            return
+        self._on_disk = trainer.step
         if self.saves_sharded:
             self._save_sharded(trainer)
             return
