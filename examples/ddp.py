@@ -120,11 +120,15 @@ def main() -> None:
             )
         raise
     finally:
+        outcome = f"rank {rank}: {trainer.exit_reason} at step {trainer.step}"
+        if rank == 0 and trainer.exit_reason == "completed":
+            weights = {k: v.detach().cpu() for k, v in trainer.unwrapped_model.state_dict().items()}
+            torch.save(weights, args.workspace / "final.pt")
+        # The DDP model holds the process group: drop it first, so that destroying the group really
+        # ends gloo's threads now, not during interpreter shutdown, where they may abort the process.
+        del trainer
         cleanup_distributed()
-    if rank == 0:
-        weights = {k: v.detach().cpu() for k, v in trainer.unwrapped_model.state_dict().items()}
-        torch.save(weights, args.workspace / "final.pt")
-    print(f"rank {rank}: {trainer.exit_reason} at step {trainer.step}", file=sys.stderr)
+    print(outcome, file=sys.stderr)
 
 
 if __name__ == "__main__":

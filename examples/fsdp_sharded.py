@@ -92,8 +92,10 @@ def main() -> None:
         if layout is not None:
             torch.distributed.barrier()  # leave together: gloo may abort a rank whose peer tore down first
     finally:
+        outcome = f"rank {layout.rank if layout else 0}: {trainer.exit_reason} at step {trainer.step}"
+        del trainer  # the model holds the process group: see cleanup_distributed
         cleanup_distributed()
-    print(f"rank {layout.rank if layout else 0}: {trainer.exit_reason} at step {trainer.step}", file=sys.stderr)
+    print(outcome, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ the first host of SLURM_JOB_NODELIST unless MASTER_ADDR is set).
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -81,8 +82,15 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
 
 
 def cleanup_distributed() -> None:
-    """Destroy the default process group if there is one."""
+    """Destroy the default process group if there is one.
+
+    A DDP model (its reducer) keeps the group alive after ``destroy_process_group``; if it is only
+    collected during interpreter shutdown, gloo's threads end there and may abort the process
+    (exit -6 after a clean run). So drop your references to the trainer and the wrapped model
+    before calling this; the ``gc.collect()`` here frees what only reference cycles still hold.
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -7,6 +7,7 @@ step and exit with 138, and neither may hang. Used by tests/test_distributed_sig
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -59,6 +60,7 @@ def child(rank: int, world: int, port: int, workspace: Path) -> None:
         dist.barrier()  # both ranks leave together: gloo may abort a rank whose peer tore down first
         raise
     finally:
+        gc.collect()  # the trainer's DDP model holds the group: free it before the group is destroyed
         dist.destroy_process_group()
 
 
