@@ -3,8 +3,8 @@ batches, ``state_dict()``/``load_state_dict()`` honour ``state_dict_options`` (s
 full tensors) and round-trip, and the checkpoint hook resumes from a full state dict.
 
 Also: a NaN in one rank's gradient shard makes every rank retry (the finite check all-reduces its
-flag when gradients are sharded); the checkpoint hook refuses a sharded model state (it writes rank
-0's state only) instead of saving rank 0's shards; it resumes with ``cpu_offload=True``; and a full
+flag when gradients are sharded); the checkpoint hook saves a sharded model state with DCP
+(``sharded="auto"``) and resumes it exactly; it resumes with ``cpu_offload=True``; and a full
 state dict loads into an optimizer without tensor state (plain SGD). The older
 ``FullyShardedDataParallel`` wrapper refuses to run without an accelerator (skipped, with torch's
 message).
@@ -138,14 +138,15 @@ def test_checkpoint_hook_resumes_fsdp_from_a_full_state_dict(checkpoint_run: lis
         assert all(torch.equal(a, b) for a, b in zip(first["params"], resumed["params"], strict=True))
 
 
-def test_checkpoint_hook_never_resumes_fsdp_silently_from_rank_0_shards(checkpoint_run: list[dict[str, Any]]) -> None:
+def test_checkpoint_hook_saves_a_sharded_fsdp_state_with_dcp_and_resumes_it_exactly(
+    checkpoint_run: list[dict[str, Any]],
+) -> None:
+    """Default options (sharded DTensors): sharded="auto" writes every rank's shards with DCP."""
     for result in checkpoint_run:
-        first, resumed = result["default_adam"]["first"], result["default_adam"].get("resumed", {})
-        refused = "state_dict_options" in str(first["error"]) + str(resumed.get("error"))
-        exact = resumed.get("params") is not None and all(
-            torch.equal(a, b) for a, b in zip(first["params"], resumed["params"], strict=True)
-        )
-        assert refused or exact, "resumed without error, with parameters that differ from the checkpoint"
+        first, resumed = result["default_adam"]["first"], result["default_adam"]["resumed"]
+        assert first["error"] is None and resumed["error"] is None, (first["error"], resumed["error"])
+        assert resumed["step"] == 3
+        assert all(torch.equal(a, b) for a, b in zip(first["params"], resumed["params"], strict=True))
 
 
 def test_checkpoint_hook_resumes_fsdp_with_a_stateless_optimizer(checkpoint_run: list[dict[str, Any]]) -> None:

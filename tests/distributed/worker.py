@@ -269,7 +269,7 @@ def _fsdp_checkpoint(out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for label, options, optimizer in (
         ("full_adam", StateDictOptions(full_state_dict=True), "adam"),
-        ("default_adam", None, "adam"),  # sharded state: rank 0 writes only its own shards
+        ("default_adam", None, "adam"),  # sharded state: every rank writes its shards (DCP)
         ("full_sgd", StateDictOptions(full_state_dict=True), "sgd"),  # an optimizer without state
         # Rank 0 alone holds the full state (in CPU memory). Last: today rank 1 fails alone in RESTORE.
         ("full_offload_adam", StateDictOptions(full_state_dict=True, cpu_offload=True), "adam"),
