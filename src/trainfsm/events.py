@@ -48,7 +48,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "transition": ("trigger", "source", "dest"),
     "restore": ("resumed", "from_step"),
     "epoch": ("epoch",),
-    "loss_none": ("micro",),
+    "loss_none": ("micro", "ranks"),
     "non_finite": ("what", "retry", "max", "scale"),
     "checkpoint_saved": ("path", "saved_step", "bytes", "seconds", "checksum", "kept", "asynchronous"),
     "checkpoint_loaded": ("path", "from_step"),
@@ -62,6 +62,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "wandb_run": ("wandb_id", "continued", "mode"),
     "early_stop": ("monitor", "best", "best_step", "bad_evaluations", "patience"),
     "cuda_memory_unavailable": ("device",),
+    "collective_failed": ("note", "trails"),
     "exception": ("type", "message", "traceback"),
     "exit": ("reason", "code"),
 }
