@@ -160,10 +160,11 @@ def collective_note(rank: int, world: int, step: int, state: str, logs: Path | N
     bound = f" ({timeout.total_seconds():g} s)" if timeout is not None else ""
     paths = trails(logs, rank, world)
     other = f"rank {1 - rank}" if world == 2 else "another rank"
+    whose, trail = ("its", "trail") if world == 2 else ("the other ranks'", "trails")
     where = (
-        f"{'its' if world == 2 else 'the other ranks'} trail {paths[0]} (the first 'exception' event) and output"
+        f"{whose} {trail} {paths[0]} (the first 'exception' event) and output"
         if paths is not None
-        else f"{'its' if world == 2 else 'the other ranks'} output (no workspace, so no trail files)"
+        else f"{whose} output (no workspace, so no trail files)"
     )
     return (
         f"trainfsm: rank {rank} of {world} failed in a collective at step {step} ({state}): {other} "
