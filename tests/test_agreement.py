@@ -47,3 +47,20 @@ def test_note_for_more_ranks_points_at_every_trail_and_without_a_workspace_at_th
         "The cause is in its output (no workspace, so no trail files)."
     )
     assert trails(None, 0, 2) is None
+
+
+def test_host_flags_use_the_default_group_with_gloo_and_one_gloo_group_under_nccl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainfsm import agreement
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert agreement.host_group() is None  # "cpu:gloo,cuda:gloo": the default group takes CPU tensors
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+        monkeypatch.setattr(agreement, "_HOST_GROUPS", {})
+        group = agreement.host_group()
+        assert group is not None and dist.get_backend(group) == "gloo"
+        assert agreement.host_group() is group  # created once, reused by the next trainer
+    finally:
+        dist.destroy_process_group()
