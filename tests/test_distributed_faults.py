@@ -2,12 +2,17 @@
 
 - A NaN loss on one rank: the all-reduced gradients are NaN on every rank, so both retry the same
   step, and their audit trails agree on steps, retries, checkpoint steps and exit.
-- ``loss=None`` on one rank only, the wrapped model not called: nothing waits on it; that rank
-  draws one more batch, and the ranks' data positions drift apart (today: a warning, no error).
-- ``loss=None`` on one rank after calling a DDP model that has buffers: its forward broadcast has
-  no partner; both ranks fail at the process-group timeout, not before.
+- ``loss=None`` on one rank (after calling the model, as the other ranks do): the ranks agree
+  before backward, so every rank skips that micro-batch: same transitions, same data positions,
+  the same parameters as a run where every rank skipped it. Also with a model whose forward
+  broadcasts buffers.
+- ``loss=None`` on one rank without calling a model whose forward has collectives: the others wait
+  in theirs; both fail at the process-group timeout, and the error of the rank that returned
+  None says why.
 - An exception on one rank: a peer that exits is noticed at once (gloo: connection closed); one
-  that stays alive is noticed at the process-group timeout. Either way every rank ends, non-zero.
+  that stays alive is noticed at the process-group timeout. Either way every rank ends, non-zero,
+  and the others' error carries a note naming the failed rank's trail (also a ``collective_failed``
+  event in their trails).
 - SIGKILL of one rank of ``examples/ddp.py``: the other exits with the example's message within
   the process-group timeout, and a restart of both resumes from the last complete checkpoint.
 """
@@ -24,6 +29,7 @@ import pytest
 import torch
 
 from tests.distributed.launch import ROOT, Outcome, Ranks, audit_problems, events, run_worker, summary
+from tests.distributed.worker import LOSS_NONE_AT, reference
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
 
@@ -60,7 +66,7 @@ def _one_rank(
 
 @pytest.fixture(scope="module")
 def finishing_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    """One launch, two runs both ranks finish: ``nan`` and ``loss_none`` (worker.py ddp_faults)."""
+    """One launch, runs both ranks finish: ``nan``, ``loss_none``, ``loss_none_everywhere`` (worker.py ddp_faults)."""
     out = tmp_path_factory.mktemp("ddp_faults")
     outcome = run_worker("ddp_faults", out, 90)
     assert outcome.codes == {0: 0, 1: 0} and not outcome.hung, outcome.describe()
@@ -85,48 +91,90 @@ def test_nan_loss_on_one_rank_makes_every_rank_retry_the_same_step_with_agreeing
     assert all(torch.equal(a, b) for a, b in zip(results[0]["nan"]["params"], results[1]["nan"]["params"], strict=True))
 
 
-def test_loss_none_on_one_rank_without_calling_the_model_drifts_that_ranks_data(
+def test_loss_none_on_one_rank_makes_every_rank_skip_that_micro_batch(
     finishing_run: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     out, both = finishing_run
     trails = _trails(out / "loss_none" / "run")
     results = [result["loss_none"] for result in both]
-    assert [r["warnings"] for r in results] == [[], ["LossNoneWarning"]]
-    assert [[e["step"] for e in trail if e["event"] == "loss_none"] for trail in trails] == [[], [2]]
-    # Every rank ran one backward per step, so DDP's all-reduces paired up and the parameters agree;
-    # but rank 1 took one more micro-batch transition (and batch) than rank 0.
-    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"], strict=True))
+    assert [r["warnings"] for r in results] == [[], ["LossNoneWarning"]]  # only the rank that returned None
+    # Forward call 3 is step 2's first micro-batch; both ranks record the skip, naming rank 1.
+    skips = [[(e["step"], e["micro"], e["ranks"]) for e in trail if e["event"] == "loss_none"] for trail in trails]
+    assert skips == [[(2, 0, [1])], [(2, 0, [1])]]
     summaries = [summary(trail) for trail in trails]
-    assert summaries[0]["exit"] == summaries[1]["exit"] == [(4, "completed", 0)]
-    assert len(summaries[1]["transitions"]) == len(summaries[0]["transitions"]) + 1
-    assert audit_problems(out / "loss_none" / "run") == []  # the audit compares steps, not micro-batches
+    assert summaries[0] == summaries[1]  # the same transitions, micro-batch by micro-batch
+    by_step = {n: [t[1:] for t in summaries[0]["transitions"] if t[0] == n] for n in (2, 3)}
+    micro, more, stepped = (
+        ("micro", "STEP", "ACCUMULATE"),
+        ("micro", "ACCUMULATE", "ACCUMULATE"),
+        ("stepped", "ACCUMULATE", "STEP"),
+    )
+    assert by_step[2] == [micro, more, more, stepped]  # the skipped micro-batch, its replacement, micro-batch 1
+    assert by_step[3] == [micro, more, stepped]
+    assert summaries[0]["exit"] == [(4, "completed", 0)]
+    assert audit_problems(out / "loss_none" / "run") == []
 
 
-def test_loss_none_on_one_rank_after_a_forward_with_buffers_fails_both_at_the_timeout(tmp_path: Path) -> None:
-    outcome, trails = _one_rank(tmp_path, "none_after_forward", "--norm")
+def test_loss_none_on_one_rank_gives_the_parameters_of_a_run_where_every_rank_skipped(
+    finishing_run: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, both = finishing_run
+    one = [result["loss_none"]["params"] for result in both]
+    everywhere = [result["loss_none_everywhere"]["params"] for result in both]
+    for a, b, c, d in zip(*one, *everywhere, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    # ... which is SGD on every rank's batches but the third (index 2), skipped everywhere.
+    expected = reference(4, 2, WORLD, 0.1, skipped=frozenset({LOSS_NONE_AT - 1}))
+    for got, want in zip(one[0], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_none_on_one_rank_after_a_forward_with_buffers_is_skipped_by_both(tmp_path: Path) -> None:
+    outcome, trails = _one_rank(tmp_path, "none_after_forward", "--norm")  # DDP broadcasts buffers in forward
+    assert outcome.codes == {0: 0, 1: 0}, outcome.describe()
+    assert [[(e["step"], e["ranks"]) for e in t if e["event"] == "loss_none"] for t in trails] == [[(2, [1])]] * 2
+    assert summary(trails[0]) == summary(trails[1])
+    assert summary(trails[0])["exit"] == [(4, "completed", 0)]
+
+
+def test_loss_none_on_one_rank_without_calling_a_model_with_buffers_fails_both_at_the_timeout(
+    tmp_path: Path,
+) -> None:
+    # Rank 0's DDP forward broadcasts buffers; rank 1 never calls its model, so it waits in the
+    # agreement while rank 0 waits in the broadcast: a deadlock that only the timeout ends.
+    outcome, trails = _one_rank(tmp_path, "none", "--norm")
     assert outcome.codes[0] in FAILED and outcome.codes[1] in FAILED, outcome.describe()
-    skipped_at = _first(trails[1], "loss_none")["ts"]
     errors = [_first(trail, "exception") for trail in trails]
-    assert [e["type"] for e in errors] == ["RuntimeError", "RuntimeError"]
-    # Both wait in mismatched collectives until the timeout. The rank whose timer fires first exits;
-    # the other may see its connection close a moment before its own timer fires.
-    messages = [e["message"] for e in errors]
-    assert any(TIMED_OUT.search(m) for m in messages), messages
-    assert all(TIMED_OUT.search(m) or PEER_GONE.search(m) for m in messages), messages
-    for trail in trails:
-        assert PG_TIMEOUT - 1 <= _first(trail, "exit")["ts"] - skipped_at <= PG_TIMEOUT + SLACK
+    assert all(TIMED_OUT.search(e["message"]) or PEER_GONE.search(e["message"]) for e in errors), errors
+    assert "this rank's forward returned loss=None just before" in errors[1]["traceback"]
+    assert "call the wrapped model on every rank, then return None" in errors[1]["traceback"]
+    for rank, trail in enumerate(trails):
+        assert _first(trail, "collective_failed")["trails"] == [
+            str(tmp_path / "run" / "logs" / f"events.rank{1 - rank}.jsonl")
+        ]
         assert (_first(trail, "exit")["reason"], _first(trail, "exit")["step"]) == ("failed", 2)
-    assert audit_problems(tmp_path / "run") == []  # both ranks failed at the same step, same exit
+    waited = _first(trails[0], "exit")["ts"] - _first(trails[0], "run_start")["ts"]
+    assert PG_TIMEOUT - 1 <= waited <= PG_TIMEOUT + SLACK
 
 
-def test_exception_on_one_rank_that_exits_fails_the_other_at_once(tmp_path: Path) -> None:
-    outcome, trails = _one_rank(tmp_path, "raise")
+BOUND = 2.0  # seconds from rank 1's exception to rank 0's exit when rank 1's process exits
+
+
+def test_exception_on_one_rank_that_exits_fails_the_other_at_once_with_a_note(tmp_path: Path) -> None:
+    # A long process-group timeout: rank 0 must not need it.
+    outcome, trails = _one_rank(tmp_path, "raise", "--pg-timeout", "60")
     assert outcome.codes[0] in FAILED and outcome.codes[1] == 1, outcome.describe()
     raised = _first(trails[1], "exception")
     assert raised["message"] == "injected failure on rank 1 at step 2"
-    peer = _first(trails[0], "exception")
+    assert [e["event"] for e in trails[1]].count("collective_failed") == 0  # rank 1's own error: no note
+    peer, note = _first(trails[0], "exception"), _first(trails[0], "collective_failed")
     assert peer["type"] == "RuntimeError" and PEER_GONE.search(peer["message"]), peer["message"]
-    assert _first(trails[0], "exit")["ts"] - raised["ts"] < PG_TIMEOUT  # not the timeout: the socket closed
+    rank1_trail = str(tmp_path / "run" / "logs" / "events.rank1.jsonl")
+    assert note["trails"] == [rank1_trail]
+    assert note["note"].startswith("trainfsm: rank 0 of 2 failed in a collective at step 2 (ACCUMULATE): rank 1 ")
+    assert f"The cause is in its trail {rank1_trail} (the first 'exception' event) and output." in note["note"]
+    assert note["note"] in peer["traceback"] and note["note"] in outcome.stderr[0]  # add_note: under the traceback
+    assert _first(trails[0], "exit")["ts"] - raised["ts"] < BOUND
     assert [_first(t, "exit")["reason"] for t in trails] == ["failed", "failed"]
     assert audit_problems(tmp_path / "run") == []  # both ranks failed at the same step, same exit
 
@@ -138,6 +186,8 @@ def test_exception_on_one_rank_that_stays_alive_fails_the_other_at_the_timeout(t
     raised = _first(trails[1], "exception")
     peer = _first(trails[0], "exception")
     assert peer["type"] == "RuntimeError" and TIMED_OUT.search(peer["message"]), peer["message"]
+    note = _first(trails[0], "collective_failed")["note"]
+    assert f"only at the process-group timeout ({PG_TIMEOUT:g} s)" in note and note in peer["traceback"]
     assert PG_TIMEOUT - 1 <= _first(trails[0], "exit")["ts"] - raised["ts"] <= PG_TIMEOUT + SLACK
 
 

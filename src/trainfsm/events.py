@@ -50,7 +50,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "epoch": ("epoch",),
     "data_exhausted": ("epochs", "dropped_micro_batches"),
     "metrics": ("values",),
-    "loss_none": ("micro",),
+    "loss_none": ("micro", "ranks"),
     "non_finite": ("what", "retry", "max", "scale"),
     "checkpoint_saved": ("path", "saved_step", "bytes", "seconds", "checksum", "kept", "asynchronous", "sharded"),
     "checkpoint_loaded": ("path", "from_step", "sharded"),
@@ -64,6 +64,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "wandb_run": ("wandb_id", "continued", "mode"),
     "early_stop": ("monitor", "best", "best_step", "bad_evaluations", "patience"),
     "cuda_memory_unavailable": ("device",),
+    "collective_failed": ("note", "trails"),
     "exception": ("type", "message", "traceback"),
     "exit": ("reason", "code"),
 }

@@ -7,9 +7,9 @@ collective. The trainer looks at the record at the end of every optimizer step a
 agree that a signal is pending, takes ``save`` to CHECKPOINT and ``finish`` to EXIT with reason
 ``preempted``; a signal during BUILD or RESTORE takes ``preempt`` straight to EXIT.
 
-Across ranks one small all-reduce per step carries the pending signal. It is started when a step
-begins and waited for when it ends, so it overlaps the step's work, and a signal that reached only
-one rank still stops every rank at the same step.
+Across ranks the pending signal rides on the all-reduce that agrees on each micro-batch before its
+backward (``trainfsm.agreement``): no collective of its own, and a signal that reached only one rank
+still stops every rank at the same step.
 """
 
 from __future__ import annotations
@@ -133,28 +133,3 @@ class SignalWatcher:
         """``exit_wait``: a further signal cuts it short."""
         self._wake.clear()
         self._wake.wait(seconds)
-
-
-class Agreement:
-    """One all-reduce (MAX) per step of the pending signal number, started early, waited late."""
-
-    def __init__(self) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self._dist = dist
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        self._flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self._work: Any = None
-
-    def start(self, pending: int) -> None:
-        self._flag.fill_(pending)
-        self._work = self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, async_op=True)
-
-    def result(self) -> int:
-        """The largest signal number pending on any rank, 0 for none (waits for the collective)."""
-        if self._work is None:
-            return 0
-        self._work.wait()
-        self._work = None
-        return int(self._flag.item())  # host sync, once per step, after the optimizer step

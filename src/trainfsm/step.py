@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainfsm.agreement import Agreement
+
 MIXED_PRECISION_DTYPES: dict[str | None, torch.dtype | None] = {
     None: None,
     "fp16": torch.float16,
@@ -117,6 +119,7 @@ class Stepper:
         accumulation: int,
         grad_clip: float | None,
         no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+        agreement: Agreement | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -126,6 +129,7 @@ class Stepper:
         self.accumulation = accumulation
         self.inv_accumulation = 1.0 / accumulation
         self.no_sync = no_sync
+        self.agreement = agreement
         dtype = MIXED_PRECISION_DTYPES[mixed_precision]
         # One autocast object, re-entered every micro-batch: building one costs a few µs.
         self.autocast = torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None else None
@@ -145,6 +149,10 @@ class Stepper:
         The loss is divided by the accumulation count so the accumulated gradient is the mean
         over the step's micro-batches. ``no_sync`` wraps forward and backward of every micro-batch
         but the last, so DDP all-reduces once per step.
+
+        With several ranks (an ``agreement``), the ranks agree between forward and backward: the
+        loss is None on every rank when it was None on any, so nobody runs backward and DDP's
+        gradient all-reduces stay paired (one small host collective, see ``trainfsm.agreement``).
         """
         if self.no_sync is not None and not last:
             with self.no_sync():
@@ -158,6 +166,10 @@ class Stepper:
         else:
             out = forward(batch)
         loss, records = _check_forward_result(out)
+        # A wait for every rank (a host collective, not a device sync): no rank may start the
+        # backward of a micro-batch that another rank skips, or DDP's all-reduces pair up wrongly.
+        if self.agreement is not None and self.agreement.skip(loss is None):
+            return None, records
         if loss is None:
             return None, records
         scaled = loss * self.inv_accumulation if self.accumulation != 1 else loss

@@ -23,9 +23,10 @@ from torch import nn
 from trainfsm import data_state, rng, slurm
 from trainfsm import machine as fsm
 from trainfsm import validation as check
+from trainfsm.agreement import Agreement, add_note, collective_note, is_collective_error, trails
 from trainfsm.events import FORMAT_VERSION, EventLog, new_run_id, previous_attempt
 from trainfsm.hooks.base import BaseHook, overrides
-from trainfsm.signals import Agreement, ExitPolicy, SignalWatcher, exit_policy
+from trainfsm.signals import ExitPolicy, SignalWatcher, exit_policy
 from trainfsm.step import Stepper, close_iterator
 from trainfsm.utils import is_distributed_wrapper, key_average, unwrap
 
@@ -34,8 +35,15 @@ _EXHAUSTED: Final = object()
 
 
 class LossNoneWarning(UserWarning):
-    """``forward`` returned ``loss=None`` for a DDP/FSDP model: if the wrapped module's forward ran,
-    its collectives now wait for a backward that never comes on this rank."""
+    """``forward`` returned ``loss=None`` for a DDP/FSDP model (on this rank).
+
+    With several ranks every rank skips that micro-batch: they agree before backward, so DDP's
+    gradient all-reduces stay paired and the data positions stay aligned. Collectives inside the
+    wrapped module's forward run before that agreement (DDP rebuilds its buckets in its second
+    forward and broadcasts buffers in every forward; FSDP all-gathers), so call the wrapped model
+    on every rank, then return None. Not calling it is safe only for a forward without collectives
+    (DDP without buffers or with ``broadcast_buffers=False``, past its second forward); otherwise
+    the other ranks wait in theirs until the process-group timeout."""
 
 
 class BaseTrainer:
@@ -192,7 +200,8 @@ class BaseTrainer:
 
     def _open_events(self) -> None:
         rank, world = _rank_and_world()
-        path = self.workspace / "logs" / f"events.rank{rank}.jsonl" if self.workspace else None
+        self._logs = self.workspace / "logs" if self.workspace else None
+        path = self._logs / f"events.rank{rank}.jsonl" if self._logs else None
         previous = previous_attempt(path) if path else None
         self.run_id, self.attempt = (previous[0], previous[1] + 1) if previous else (new_run_id(), 0)
         if world > 1:
@@ -229,6 +238,10 @@ class BaseTrainer:
         )
 
     def _fail(self, exc: BaseException) -> None:
+        if self.world_size > 1 and is_collective_error(exc):  # most likely another rank's failure
+            note = collective_note(self.rank, self.world_size, self.step, self.state, self._logs)
+            add_note(exc, note)
+            self.audit.error("collective_failed", note=note, trails=trails(self._logs, self.rank, self.world_size))
         self.audit.error(
             "exception",
             type=type(exc).__name__,
@@ -250,6 +263,8 @@ class BaseTrainer:
 
     # ---------------------------------------------------------------- states
     def _run_build(self) -> Callable[[], bool]:
+        if self.world_size > 1:  # first: with NCCL alone it creates a gloo group, a collective
+            self._agreement = Agreement(rank=self.rank, world=self.world_size, watcher=self._signals)
         self.data_loader = check.built("build_data_loader", self.build_data_loader(), Iterable)
         self.model = check.built("build_model", self.build_model(), nn.Module)
         self.optimizer = check.built("build_optimizer", self.build_optimizer(), torch.optim.Optimizer)
@@ -271,6 +286,7 @@ class BaseTrainer:
             accumulation=self.gradient_accumulation_steps,
             grad_clip=self.grad_clip,
             no_sync=no_sync if self.no_sync_accumulate and self.gradient_accumulation_steps > 1 else None,
+            agreement=self._agreement,
         )
         if self.exit_policy is None:  # the first hook that asks for exit signals (CheckpointingHook)
             self.exit_policy = next(
@@ -281,8 +297,6 @@ class BaseTrainer:
             installed = self._signals.install(self.exit_policy.signals)
             if not installed and not self._signals.installed_any:
                 self.audit.warning("signals_not_installed", reason="train() is not running in the main thread")
-            if self.world_size > 1:
-                self._agreement = Agreement()
         self._data_resume: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
         self._batches = 0
         self._epoch_rng: dict[str, Any] | None = None
@@ -352,8 +366,6 @@ class BaseTrainer:
         self._records: list[Any] = []
         self._data_time = 0.0
         self._step_start = time.perf_counter()
-        if self._agreement is not None:  # overlaps the step's work; waited for in _after_step
-            self._agreement.start(self._signals.pending)
 
     def _run_step(self) -> Callable[[], bool]:
         return self.micro
@@ -366,15 +378,18 @@ class BaseTrainer:
         self._data_time += time.perf_counter() - t0
         last = self._micro + 1 == self.gradient_accumulation_steps
         loss, records = self._stepper.micro(self.forward, batch, last)
-        if loss is None:
-            if self._warn_loss_none:
+        if loss is None:  # on this rank or, with several ranks, on any: every rank skips it
+            ranks = self._agreement.none_ranks() if self._agreement is not None else [self.rank]
+            if self._warn_loss_none and self.rank in ranks:
                 warnings.warn(
-                    "forward() returned loss=None for a DDP/FSDP model; the micro-batch is skipped. "
-                    "Do not call the wrapped module's forward when you return None.",
+                    "forward() returned loss=None for a DDP/FSDP model; every rank skips this micro-batch. "
+                    "Call the wrapped model before returning None, as the other ranks do: collectives in "
+                    "its forward (DDP's bucket rebuild and buffer broadcast, FSDP's all-gathers) have no "
+                    "partner otherwise.",
                     LossNoneWarning,
                     stacklevel=3,  # the user's train() call
                 )
-            self.audit.debug("loss_none", micro=self._micro)
+            self.audit.debug("loss_none", micro=self._micro, ranks=ranks)
             return self.micro
         self._micro += 1
         self._loss = loss if self._loss is None else self._loss + loss
@@ -411,7 +426,8 @@ class BaseTrainer:
         # The askers first: one of them may run work (ValidationHook evaluates here) during which a
         # signal can arrive; read after them, it is honoured at this step (with one rank).
         stop = any(ask() for ask in self._stop_askers) if self._stop_askers else False
-        pending = self._agreement.result() if self._agreement is not None else self._signals.pending
+        # With several ranks: the signal pending on any rank at this step's last agreement.
+        pending = self._agreement.signal if self._agreement is not None else self._signals.pending
         if pending:
             self._agree_signal(pending)
         elif stop or self.step >= self.max_steps:

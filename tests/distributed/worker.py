@@ -41,14 +41,19 @@ def mlp(seed: int = 0, norm: bool = False) -> nn.Module:
     return nn.Sequential(nn.Linear(IN, HIDDEN), *middle, nn.Tanh(), nn.Linear(HIDDEN, OUT))
 
 
-def reference(steps: int, accumulation: int, world: int, lr: float) -> list[torch.Tensor]:
+def reference(
+    steps: int, accumulation: int, world: int, lr: float, skipped: frozenset[int] = frozenset()
+) -> list[torch.Tensor]:
     """One process, plain SGD, each step on the concatenation of every rank's micro-batches.
+    ``skipped``: batch indices no rank trains on (every rank skipped them: loss=None somewhere).
     Runs in the test's own process: the global random state is left as it was."""
     with torch.random.fork_rng():
         model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    used = [i for i in range(steps * accumulation + len(skipped)) if i not in skipped]
     for step in range(steps):
-        parts = [batch(step * accumulation + a, r) for a in range(accumulation) for r in range(world)]
+        indices = used[step * accumulation : (step + 1) * accumulation]
+        parts = [batch(i, r) for i in indices for r in range(world)]
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
@@ -310,9 +315,10 @@ def scenario_fsdp_nan(out: Path, rank: int) -> dict[str, Any]:
 
 
 def scenario_ddp_faults(out: Path, rank: int) -> dict[str, Any]:
-    """DDP, two runs that both ranks finish: ``nan``: rank 1's loss is NaN on its 2nd forward, a
-    checkpoint every 2 steps; ``loss_none``: rank 1 returns loss=None on its 2nd forward without
-    calling the model."""
+    """DDP, runs that both ranks finish: ``nan``: rank 1's loss is NaN on its 2nd forward, a
+    checkpoint every 2 steps; with 2 micro-batches a step, forward call 3 (step 2, micro-batch 0)
+    returns loss=None after calling the model: on rank 1 only (``loss_none``), on both ranks
+    (``loss_none_everywhere``)."""
     from trainfsm import CheckpointingHook
 
     trainer = make_trainer(
@@ -320,17 +326,37 @@ def scenario_ddp_faults(out: Path, rank: int) -> dict[str, Any]:
         script={2: "nan"} if rank == 1 else {}, workspace=out / "nan", hooks=[CheckpointingHook(interval=2)],
     )  # fmt: skip
     trainer.train()
-    return {"nan": {"params": _params(trainer)}, "loss_none": scenario_one_rank(out / "loss_none", rank, "none")}
+    return {
+        "nan": {"params": _params(trainer)},
+        **{
+            label: scenario_one_rank(
+                out / label, rank, "none_after_forward", at=LOSS_NONE_AT, accumulation=2, every_rank=every_rank
+            )
+            for label, every_rank in (("loss_none", False), ("loss_none_everywhere", True))
+        },
+    }
 
 
-def scenario_one_rank(out: Path, rank: int, action: str, norm: bool = False, linger: float = 0.0) -> dict[str, Any]:
-    """DDP, 4 steps; on rank 1 only, forward call 2 does ``action``; rank 0 does nothing special.
+LOSS_NONE_AT = 3  # forward call (1-based): step 2's first micro-batch with 2 micro-batches a step
+
+
+def scenario_one_rank(
+    out: Path,
+    rank: int,
+    action: str,
+    norm: bool = False,
+    linger: float = 0.0,
+    at: int = 2,
+    accumulation: int = 1,
+    every_rank: bool = False,
+) -> dict[str, Any]:
+    """DDP, 4 steps; on rank 1 only (or on ``every_rank``), forward call ``at`` does ``action``.
     ``linger``: rank 1 catches its own failure and stays alive that long, without leaving the group."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = make_trainer(
-            model=lambda: ddp(mlp(norm=norm)), max_steps=4, script={2: action} if rank == 1 else {},
-            workspace=out / "run",
+            model=lambda: ddp(mlp(norm=norm)), max_steps=4, script={at: action} if rank == 1 or every_rank else {},
+            gradient_accumulation_steps=accumulation, workspace=out / "run",
         )  # fmt: skip
         try:
             trainer.train()
