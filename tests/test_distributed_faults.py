@@ -130,7 +130,7 @@ def test_loss_none_on_one_rank_gives_the_parameters_of_a_run_where_every_rank_sk
 
 
 def test_loss_none_on_one_rank_after_a_forward_with_buffers_is_skipped_by_both(tmp_path: Path) -> None:
-    outcome, trails = _one_rank(tmp_path, "none_after_forward", "--norm")  # DDP broadcasts buffers in forward
+    outcome, trails = _one_rank(tmp_path, "none_after_forward", "--norm", "--agree")  # DDP broadcasts buffers
     assert outcome.codes == {0: 0, 1: 0}, outcome.describe()
     assert [[(e["step"], e["ranks"]) for e in t if e["event"] == "loss_none"] for t in trails] == [[(2, [1])]] * 2
     assert summary(trails[0]) == summary(trails[1])
@@ -142,7 +142,7 @@ def test_loss_none_on_one_rank_without_calling_a_model_with_buffers_fails_both_a
 ) -> None:
     # Rank 0's DDP forward broadcasts buffers; rank 1 never calls its model, so it waits in the
     # agreement while rank 0 waits in the broadcast: a deadlock that only the timeout ends.
-    outcome, trails = _one_rank(tmp_path, "none", "--norm")
+    outcome, trails = _one_rank(tmp_path, "none", "--norm", "--agree")
     assert outcome.codes[0] in FAILED and outcome.codes[1] in FAILED, outcome.describe()
     errors = [_first(trail, "exception") for trail in trails]
     assert all(TIMED_OUT.search(e["message"]) or PEER_GONE.search(e["message"]) for e in errors), errors
@@ -155,6 +155,25 @@ def test_loss_none_on_one_rank_without_calling_a_model_with_buffers_fails_both_a
         assert (_first(trail, "exit")["reason"], _first(trail, "exit")["step"]) == ("failed", 2)
     waited = _first(trails[0], "exit")["ts"] - _first(trails[0], "run_start")["ts"]
     assert PG_TIMEOUT - 1 <= waited <= PG_TIMEOUT + SLACK
+
+
+def test_loss_none_on_one_rank_without_agreement_fails_every_rank_at_the_next_checkpoint(tmp_path: Path) -> None:
+    # The default (the trainloop contract): ranks do not agree on loss=None. Rank 1 skips step 2's
+    # micro-batch alone, so its next gradient all-reduce pairs with rank 0's; the checkpoint of
+    # step 2 compares the ranks' skip counts and refuses, on both ranks, before anything is written.
+    outcome, trails = _one_rank(tmp_path, "none", "--interval", "2")
+    assert outcome.codes == {0: 1, 1: 1}, outcome.describe()
+    errors = [_first(trail, "exception") for trail in trails]
+    for error in errors:
+        assert error["type"] == "RuntimeError"
+        assert error["message"].startswith(
+            "step 2: the ranks skipped different numbers of micro-batches for loss=None in this launch "
+            "(rank 0: 0, rank 1: 1)"
+        )
+        assert "pass loss_none_agreement=True to the trainer" in error["message"]
+    assert [(_first(t, "exit")["reason"], _first(t, "exit")["step"]) for t in trails] == [("failed", 2)] * 2
+    assert not (tmp_path / "run" / "checkpoints" / "2").exists()
+    assert [e["ranks"] for e in trails[1] if e["event"] == "loss_none"] == [[1]]
 
 
 BOUND = 2.0  # seconds from rank 1's exception to rank 0's exit when rank 1's process exits

@@ -12,8 +12,9 @@ from tests.faults.two_ranks import events, scenario
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
 
 
-def test_signal_to_rank_1_only_makes_both_ranks_save_at_the_same_step_and_exit(tmp_path: Path) -> None:
-    result = scenario(tmp_path, timeout=90)
+@pytest.mark.parametrize("agree", [False, True], ids=["per_step_agreement", "loss_none_agreement"])
+def test_signal_to_rank_1_only_makes_both_ranks_save_at_the_same_step_and_exit(tmp_path: Path, agree: bool) -> None:
+    result = scenario(tmp_path, timeout=90, agree=agree)
     assert not result["hung"], f"rank(s) {result['hung']} hung; stderr: {result['stderr']}"
     assert result["codes"] == {0: 138, 1: 138}, result["stderr"]
     agreed = {rank: [e for e in events(tmp_path, rank) if e["event"] == "signal_agreed"] for rank in (0, 1)}

@@ -639,6 +639,18 @@ def test_max_epochs_must_be_a_positive_int_or_none(value, error):
         TinyTrainer(max_steps=1, max_epochs=value)
 
 
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_loss_none_agreement_must_be_a_bool(value):
+    with pytest.raises(TypeError, match=r"loss_none_agreement must be"):
+        TinyTrainer(max_steps=1, loss_none_agreement=value)
+
+
+def test_a_single_process_counts_its_loss_none_skips(make_trainer):
+    trainer = make_trainer(max_steps=2, script={1: "none"}, loss_none_agreement=True)
+    trainer.train()
+    assert trainer.loss_none_skips == 1 and trainer.step == 2
+
+
 def test_set_epoch_is_called_on_the_sampler_of_a_data_loader(make_trainer):
     class Sampler(torch.utils.data.Sampler[int]):
         def __init__(self) -> None:

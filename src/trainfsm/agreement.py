@@ -1,5 +1,10 @@
-"""What every rank must decide alike, agreed on the host once per micro-batch; and what a rank
-says when a collective failed because of another rank.
+"""What every rank must decide alike; and what a rank says when a collective failed because of
+another rank.
+
+By default one all-reduce per step carries the pending exit signal (``SignalAgreement``: started
+when a step begins, waited for when it ends, so it overlaps the step's work), and only when exit
+signals are installed. With ``loss_none_agreement=True`` the ranks agree once per micro-batch
+instead (``Agreement``, below), and the signal rides on that.
 
 In a run with more than one rank (``torch.distributed`` initialised, world size > 1) two facts are
 local to one rank but decide a transition that every rank must take together:
@@ -86,6 +91,30 @@ def group_timeout() -> Any:
         except Exception:
             continue
     return None
+
+
+class SignalAgreement:
+    """One all-reduce (MAX) per step of the pending signal number, started early, waited late."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self._work: Any = None
+
+    def start(self, pending: int) -> None:
+        self._flag.fill_(pending)
+        self._work = self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, async_op=True)
+
+    def result(self) -> int:
+        """The largest signal number pending on any rank, 0 for none (waits for the collective)."""
+        if self._work is None:
+            return 0
+        self._work.wait()
+        self._work = None
+        return int(self._flag.item())  # host sync, once per step, after the optimizer step
 
 
 class Agreement:

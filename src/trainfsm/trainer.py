@@ -23,7 +23,7 @@ from torch import nn
 from trainfsm import data_state, rng, slurm
 from trainfsm import machine as fsm
 from trainfsm import validation as check
-from trainfsm.agreement import Agreement, add_note, collective_note, is_collective_error, trails
+from trainfsm.agreement import Agreement, SignalAgreement, add_note, collective_note, is_collective_error, trails
 from trainfsm.events import FORMAT_VERSION, EventLog, new_run_id, previous_attempt
 from trainfsm.hooks.base import BaseHook, overrides
 from trainfsm.signals import ExitPolicy, SignalWatcher, exit_policy
@@ -34,16 +34,31 @@ from trainfsm.utils import is_distributed_wrapper, key_average, unwrap
 _EXHAUSTED: Final = object()
 
 
+_LOSS_NONE_ALONE: Final = (
+    "forward() returned loss=None for a DDP/FSDP model; this rank skips the micro-batch. Return None on "
+    "every rank at the same micro-batch without calling the wrapped model, or pass loss_none_agreement=True "
+    "to the trainer so that every rank skips it when any rank returns None."
+)
+_LOSS_NONE_AGREED: Final = (
+    "forward() returned loss=None for a DDP/FSDP model; every rank skips this micro-batch. Call the wrapped "
+    "model before returning None, as the other ranks do: collectives in its forward (DDP's bucket rebuild and "
+    "buffer broadcast, FSDP's all-gathers) have no partner otherwise."
+)
+
+
 class LossNoneWarning(UserWarning):
     """``forward`` returned ``loss=None`` for a DDP/FSDP model (on this rank).
 
-    With several ranks every rank skips that micro-batch: they agree before backward, so DDP's
-    gradient all-reduces stay paired and the data positions stay aligned. Collectives inside the
-    wrapped module's forward run before that agreement (DDP rebuilds its buckets in its second
-    forward and broadcasts buffers in every forward; FSDP all-gathers), so call the wrapped model
-    on every rank, then return None. Not calling it is safe only for a forward without collectives
-    (DDP without buffers or with ``broadcast_buffers=False``, past its second forward); otherwise
-    the other ranks wait in theirs until the process-group timeout."""
+    By default (the ``trainloop`` contract) the ranks do not talk about it: return None on every
+    rank at the same micro-batch, without calling the wrapped model. A rank that skips alone pairs
+    its next gradient all-reduce with the others' current one; the next checkpoint notices (the
+    ranks' skip counts differ), saves nothing and fails on every rank with an error saying so.
+
+    With ``loss_none_agreement=True`` the ranks agree before every backward (one small host
+    all-reduce per micro-batch), and every rank skips a micro-batch when any rank returned None.
+    Collectives inside the wrapped module's forward run before that agreement (DDP rebuilds its
+    buckets in its second forward and broadcasts buffers in every forward; FSDP all-gathers), so
+    then call the wrapped model on every rank before returning None."""
 
 
 class BaseTrainer:
@@ -81,6 +96,7 @@ class BaseTrainer:
         state_dict_options: Any = None,
         logger: Any = None,
         max_epochs: int | None = None,
+        loss_none_agreement: bool = False,
     ) -> None:
         self.max_steps: int = check.positive_int("max_steps", max_steps)  # type: ignore[assignment]
         self.grad_clip = check.grad_clip(grad_clip)
@@ -99,6 +115,11 @@ class BaseTrainer:
         self.logger = check.logger(logger)
         # None: every exhaustion of the data starts a new epoch, and only max_steps ends the run.
         self.max_epochs = check.positive_int("max_epochs", max_epochs, allow_none=True)
+        # With several ranks: agree before every backward whether some rank's loss is None (one
+        # small host all-reduce per micro-batch), so one rank may skip alone; see trainfsm.agreement.
+        self.loss_none_agreement = check.boolean("loss_none_agreement", loss_none_agreement)
+        #: Micro-batches this rank skipped for loss=None in this launch; checkpoints compare ranks'.
+        self.loss_none_skips = 0
 
         # The trainer's own resumable state: the completed step count and the data epoch.
         self.step = 0
@@ -165,6 +186,7 @@ class BaseTrainer:
         self._machine.compile_events(self, self._events.transition_recorder)
         self._signals = SignalWatcher(self)
         self._agreement: Agreement | None = None
+        self._signal_agreement: SignalAgreement | None = None
         if self.exit_policy is not None:
             self._signals.install(self.exit_policy.signals)
         runs: dict[str, Callable[[], Callable[[], bool] | None]] = {
@@ -263,7 +285,7 @@ class BaseTrainer:
 
     # ---------------------------------------------------------------- states
     def _run_build(self) -> Callable[[], bool]:
-        if self.world_size > 1:  # first: with NCCL alone it creates a gloo group, a collective
+        if self.world_size > 1 and self.loss_none_agreement:  # first: it may create a gloo group
             self._agreement = Agreement(rank=self.rank, world=self.world_size, watcher=self._signals)
         self.data_loader = check.built("build_data_loader", self.build_data_loader(), Iterable)
         self.model = check.built("build_model", self.build_model(), nn.Module)
@@ -297,6 +319,8 @@ class BaseTrainer:
             installed = self._signals.install(self.exit_policy.signals)
             if not installed and not self._signals.installed_any:
                 self.audit.warning("signals_not_installed", reason="train() is not running in the main thread")
+            if self.world_size > 1 and self._agreement is None:  # else the signal rides on its all-reduce
+                self._signal_agreement = SignalAgreement()
         self._data_resume: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
         self._batches = 0
         self._epoch_rng: dict[str, Any] | None = None
@@ -366,6 +390,8 @@ class BaseTrainer:
         self._records: list[Any] = []
         self._data_time = 0.0
         self._step_start = time.perf_counter()
+        if self._signal_agreement is not None:  # overlaps the step's work; waited for in _after_step
+            self._signal_agreement.start(self._signals.pending)
 
     def _run_step(self) -> Callable[[], bool]:
         return self.micro
@@ -378,17 +404,17 @@ class BaseTrainer:
         self._data_time += time.perf_counter() - t0
         last = self._micro + 1 == self.gradient_accumulation_steps
         loss, records = self._stepper.micro(self.forward, batch, last)
-        if loss is None:  # on this rank or, with several ranks, on any: every rank skips it
-            ranks = self._agreement.none_ranks() if self._agreement is not None else [self.rank]
-            if self._warn_loss_none and self.rank in ranks:
-                warnings.warn(
-                    "forward() returned loss=None for a DDP/FSDP model; every rank skips this micro-batch. "
-                    "Call the wrapped model before returning None, as the other ranks do: collectives in "
-                    "its forward (DDP's bucket rebuild and buffer broadcast, FSDP's all-gathers) have no "
-                    "partner otherwise.",
-                    LossNoneWarning,
-                    stacklevel=3,  # the user's train() call
-                )
+        if loss is None:  # on this rank; with loss_none_agreement, on any: then every rank skips it
+            agreement = self._agreement
+            ranks = agreement.none_ranks() if agreement is not None else [self.rank]
+            if self.rank in ranks:
+                self.loss_none_skips += 1
+                if self._warn_loss_none:
+                    warnings.warn(
+                        _LOSS_NONE_AGREED if agreement is not None else _LOSS_NONE_ALONE,
+                        LossNoneWarning,
+                        stacklevel=3,  # the user's train() call
+                    )
             self.audit.debug("loss_none", micro=self._micro, ranks=ranks)
             return self.micro
         self._micro += 1
@@ -427,7 +453,12 @@ class BaseTrainer:
         # signal can arrive; read after them, it is honoured at this step (with one rank).
         stop = any(ask() for ask in self._stop_askers) if self._stop_askers else False
         # With several ranks: the signal pending on any rank at this step's last agreement.
-        pending = self._agreement.signal if self._agreement is not None else self._signals.pending
+        if self._agreement is not None:
+            pending = self._agreement.signal
+        elif self._signal_agreement is not None:
+            pending = self._signal_agreement.result()
+        else:
+            pending = self._signals.pending
         if pending:
             self._agree_signal(pending)
         elif stop or self.step >= self.max_steps:

@@ -330,7 +330,13 @@ def scenario_ddp_faults(out: Path, rank: int) -> dict[str, Any]:
         "nan": {"params": _params(trainer)},
         **{
             label: scenario_one_rank(
-                out / label, rank, "none_after_forward", at=LOSS_NONE_AT, accumulation=2, every_rank=every_rank
+                out / label,
+                rank,
+                "none_after_forward",
+                at=LOSS_NONE_AT,
+                accumulation=2,
+                every_rank=every_rank,
+                agree=True,
             )
             for label, every_rank in (("loss_none", False), ("loss_none_everywhere", True))
         },
@@ -349,14 +355,20 @@ def scenario_one_rank(
     at: int = 2,
     accumulation: int = 1,
     every_rank: bool = False,
+    agree: bool = False,
+    interval: int = 0,
 ) -> dict[str, Any]:
     """DDP, 4 steps; on rank 1 only (or on ``every_rank``), forward call ``at`` does ``action``.
-    ``linger``: rank 1 catches its own failure and stays alive that long, without leaving the group."""
+    ``linger``: rank 1 catches its own failure and stays alive that long, without leaving the group.
+    ``agree``: ``loss_none_agreement=True``; ``interval``: a CheckpointingHook saving that often."""
+    from trainfsm import CheckpointingHook
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = make_trainer(
             model=lambda: ddp(mlp(norm=norm)), max_steps=4, script={at: action} if rank == 1 or every_rank else {},
-            gradient_accumulation_steps=accumulation, workspace=out / "run",
+            gradient_accumulation_steps=accumulation, workspace=out / "run", loss_none_agreement=agree,
+            hooks=[CheckpointingHook(interval=interval)] if interval else [],
         )  # fmt: skip
         try:
             trainer.train()
@@ -375,6 +387,8 @@ def main() -> None:
     parser.add_argument("--action", default="none")
     parser.add_argument("--norm", action="store_true")
     parser.add_argument("--linger", type=float, default=0.0)
+    parser.add_argument("--agree", action="store_true", help="loss_none_agreement=True")
+    parser.add_argument("--interval", type=int, default=0, help="checkpoint every N steps (0: no hook)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -393,7 +407,9 @@ def main() -> None:
         elif args.scenario == "ddp_faults":
             result = scenario_ddp_faults(args.out, layout.rank)
         elif args.scenario == "one_rank":
-            result = scenario_one_rank(args.out, layout.rank, args.action, args.norm, args.linger)
+            result = scenario_one_rank(
+                args.out, layout.rank, args.action, args.norm, args.linger, agree=args.agree, interval=args.interval
+            )
         else:
             raise SystemExit(f"unknown scenario {args.scenario!r}")
         torch.save(result, args.out / f"{args.scenario}.rank{layout.rank}.pt")

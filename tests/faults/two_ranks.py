@@ -22,7 +22,7 @@ from typing import Any
 HERE = Path(__file__).resolve()
 
 
-def child(rank: int, world: int, port: int, workspace: Path) -> None:
+def child(rank: int, world: int, port: int, workspace: Path, agree: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -55,7 +55,7 @@ def child(rank: int, world: int, port: int, workspace: Path) -> None:
             return nn.functional.mse_loss(self.model(x), y), {}  # type: ignore[misc]
 
     try:
-        Trainer(max_steps=500, workspace=workspace, device="cpu").train()
+        Trainer(max_steps=500, workspace=workspace, device="cpu", loss_none_agreement=agree).train()
     except SystemExit:
         dist.barrier()  # both ranks leave together: gloo may abort a rank whose peer tore down first
         raise
@@ -75,12 +75,24 @@ def events(workspace: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def scenario(workspace: Path, timeout: float = 90.0) -> dict[str, Any]:
-    """Run it; returns exit codes per rank, and which ranks hung (killed after ``timeout``)."""
+def scenario(workspace: Path, timeout: float = 90.0, agree: bool = False) -> dict[str, Any]:
+    """Run it; returns exit codes per rank, and which ranks hung (killed after ``timeout``).
+    ``agree``: ``loss_none_agreement=True``, so the signal rides on the per-micro-batch agreement."""
     port = _free_port()
+    extra = ["--agree"] if agree else []
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE), "--child", str(rank), "--port", str(port), "--workspace", str(workspace)],
+            [
+                sys.executable,
+                str(HERE),
+                "--child",
+                str(rank),
+                "--port",
+                str(port),
+                "--workspace",
+                str(workspace),
+                *extra,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
@@ -114,12 +126,13 @@ def main() -> None:
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--workspace", type=Path, required=True)
+    parser.add_argument("--agree", action="store_true", help="loss_none_agreement=True")
     args = parser.parse_args()
     if args.child is not None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        child(args.child, 2, args.port, args.workspace)
+        child(args.child, 2, args.port, args.workspace, args.agree)
         return
-    result = scenario(args.workspace)
+    result = scenario(args.workspace, agree=args.agree)
     print(json.dumps({k: v for k, v in result.items() if k != "stderr"}))
 
 

@@ -264,7 +264,9 @@ class CheckpointingHook(BaseHook):
             return
         state = trainer.state_dict()  # every rank: FSDP gathers collectively
         _refuse_sharded(state["model"])  # on every rank alike, before any rank writes or waits
-        ranks = _gather({"rng": rng.capture(), "data": trainer.data_state()}, trainer.world_size)
+        mine = {"rng": rng.capture(), "data": trainer.data_state(), "loss_none_skips": trainer.loss_none_skips}
+        ranks = _gather(mine, trainer.world_size)
+        _check_ranks_in_step(ranks, trainer.step)  # on every rank alike, before anything is written
         if trainer.rank == 0:
             started = time.perf_counter()
             parts: dict[str, Any] = {
@@ -308,10 +310,16 @@ class CheckpointingHook(BaseHook):
                 tmp = store.begin(step)
             except OSError as exc:
                 error = f"could not create a directory under {store.root}: {exc}"
-        mine = {"rng": rng.capture(), "data": trainer.data_state()}
+        mine = {"rng": rng.capture(), "data": trainer.data_state(), "loss_none_skips": trainer.loss_none_skips}
         shared = _gather({"state": mine, "tmp": None if tmp is None else str(tmp), "error": error}, world)
         if shared[0]["error"] is not None:
             raise CheckpointError(f"sharded checkpoint at step {step} was not saved: rank 0 {shared[0]['error']}")
+        try:
+            _check_ranks_in_step([entry["state"] for entry in shared], step)
+        except RuntimeError:
+            if tmp is not None:
+                store.discard(tmp)
+            raise
         tmp = Path(shared[0]["tmp"])
         try:
             self._write_sharded(trainer, store, step, keep, state, shared, tmp, started)
@@ -512,6 +520,25 @@ def _stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple
         for part, value in parts.items()
     }
     return staged, copies
+
+
+def _check_ranks_in_step(ranks: list[dict[str, Any]], step: int) -> None:
+    """Refuse to save ranks that went apart: one skipped a micro-batch for ``loss=None`` alone.
+
+    Without ``loss_none_agreement`` the ranks do not tell each other about a skip; one that skips
+    alone pairs its next gradient all-reduce with the others' current one. Nothing may become
+    durable after that, so every rank raises the same error here (they all hold the same list).
+    """
+    skips = [entry.get("loss_none_skips", 0) for entry in ranks]
+    if len(set(skips)) > 1:
+        counts = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(skips))
+        raise RuntimeError(
+            f"step {step}: the ranks skipped different numbers of micro-batches for loss=None in this launch "
+            f"({counts}), so gradients were averaged across different micro-batches and the ranks' data "
+            f"positions differ. Nothing was saved at this step; the last complete checkpoint is intact. Return "
+            f"None on every rank at the same micro-batch, or pass loss_none_agreement=True to the trainer so "
+            f"that every rank skips a micro-batch that any rank returned None for."
+        )
 
 
 def _gather(state: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
