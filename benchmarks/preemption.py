@@ -7,9 +7,9 @@
    is raised. Target: at most one step time + the synchronous save time + 0.2 s. The interpreter's
    own shutdown after that (Python's final garbage collection over torch's objects: ~0.3-0.6 s
    here, with or without trainfsm) is printed beside it.
-2. Two gloo ranks run the same loop with and without exit signals (the pending signal rides on
-   the all-reduce the ranks do before each backward anyway, see ``trainfsm.agreement``); the
-   median per-step time of each, alternating runs.
+2. Two gloo ranks run the same loop with and without exit signals (the agreement is one async
+   all-reduce per step, started when a step begins and waited for when it ends); the median
+   per-step time of each, alternating runs.
 
     python benchmarks/preemption.py
 """
