@@ -42,7 +42,7 @@ def test_inspect_verifies_and_prints_the_contents(checkpoint: Path, capsys: pyte
     assert "training state (training_state.pt): step 4, epoch 0" in out
     assert "param group 0: 2 parameters; lr=0.1, momentum=0" in out
     assert "lr_scheduler: none" in out
-    assert "ranks: 1 (keys rng, data)" in out
+    assert "ranks: 1 (keys rng, data, loss_none_skips)" in out
     assert "hooks (hooks.pt): counting" in out
     assert "counting: {seen, buffer}" in out
 
