@@ -12,6 +12,11 @@ command again resumes every rank from the latest complete one.
 
 ``--timeout`` is the process group's: a rank whose peer died or hangs in a collective fails after
 at most that long instead of waiting forever (gloo notices a peer that exited at once).
+
+``--loss-none-agreement`` passes ``loss_none_agreement=True``: the ranks then agree before every
+backward, so a ``forward`` that returns None on one rank makes every rank skip that micro-batch (one
+small all-reduce per micro-batch; see the README's "Distributed runs"). This example's forward
+never returns None; the flag shows where the option goes.
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=50, help="checkpoint every this many steps")
     parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, seconds")
     parser.add_argument("--step-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--loss-none-agreement", action="store_true", help="ranks agree on loss=None before every backward"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -97,6 +105,7 @@ def main() -> None:
         max_steps=args.steps,
         workspace=args.workspace,
         device=device,
+        loss_none_agreement=args.loss_none_agreement,
     )
     try:
         trainer.train()  # on SIGTERM: checkpoint at a step every rank agrees on, exit 143

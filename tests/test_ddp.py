@@ -77,7 +77,7 @@ def test_example_runs_under_torchrun_with_agreeing_trails(tmp_path: Path) -> Non
     argv = [
         *launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
         "--master-port", str(free_port()), str(ROOT / "examples" / "ddp.py"), "--workspace", str(workspace),
-        "--steps", "30", "--interval", "10", "--timeout", "30",
+        "--steps", "30", "--interval", "10", "--timeout", "30", "--loss-none-agreement",
     ]  # fmt: skip
     code, output = run_command(argv, timeout=120)
     assert code == 0, output[-4000:]
@@ -92,3 +92,5 @@ def test_example_runs_under_torchrun_with_agreeing_trails(tmp_path: Path) -> Non
     assert (workspace / "checkpoints" / "30" / "manifest.json").is_file()
     assert (workspace / "final.pt").is_file()
     assert audit_problems(workspace) == []
+    starts = [next(e for e in trail if e["event"] == "run_start") for trail in trails]
+    assert [start["config"]["loss_none_agreement"] for start in starts] == [True, True]

@@ -61,7 +61,9 @@ def test_transition_events_have_exactly_trigger_source_dest(make_trainer, events
 
 
 def test_run_start_records_the_configuration(make_trainer, events, tmp_path):
-    make_trainer(max_steps=4, grad_clip=2.0, max_non_finite_grad_retries=3, gradient_accumulation_steps=2).train()
+    make_trainer(
+        max_steps=4, grad_clip=2.0, max_non_finite_grad_retries=3, gradient_accumulation_steps=2, max_epochs=7
+    ).train()
     start = events()[0]
     assert (start["event"], start["state"], start["step"], start["format"]) == ("run_start", "BUILD", 0, 1)
     assert (start["world_size"], start["max_steps"]) == (1, 4)
@@ -72,6 +74,8 @@ def test_run_start_records_the_configuration(make_trainer, events, tmp_path):
         "device": "cpu",
         "gradient_accumulation_steps": 2,
         "workspace": str(tmp_path),
+        "max_epochs": 7,
+        "loss_none_agreement": False,
     }
     assert start["versions"]["trainfsm"] == trainfsm.__version__
     assert set(start["versions"]) == {"trainfsm", "torch", "python"}

@@ -256,6 +256,8 @@ class BaseTrainer:
                 "device": str(self.device),
                 "gradient_accumulation_steps": self.gradient_accumulation_steps,
                 "workspace": str(self.workspace) if self.workspace else None,
+                "max_epochs": self.max_epochs,
+                "loss_none_agreement": self.loss_none_agreement,
             },
         )
 
