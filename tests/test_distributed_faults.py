@@ -30,6 +30,7 @@ import torch
 
 from tests.distributed.launch import ROOT, Outcome, Ranks, audit_problems, events, run_worker, summary
 from tests.distributed.worker import LOSS_NONE_AT, reference
+from trainfsm.trace import render, trace
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
 
@@ -196,6 +197,11 @@ def test_exception_on_one_rank_that_exits_fails_the_other_at_once_with_a_note(tm
     assert _first(trails[0], "exit")["ts"] - raised["ts"] < BOUND
     assert [_first(t, "exit")["reason"] for t in trails] == ["failed", "failed"]
     assert audit_problems(tmp_path / "run") == []  # both ranks failed at the same step, same exit
+    story = render(trace([tmp_path / "run"]))
+    assert story.splitlines()[1].startswith(
+        "  cause: rank 1 at step 2 (ACCUMULATE): RuntimeError: injected failure on rank 1 at step 2 ("
+    )
+    assert story.splitlines()[1].endswith("; rank(s) 0 then failed in a collective")
 
 
 def test_exception_on_one_rank_that_stays_alive_fails_the_other_at_the_timeout(tmp_path: Path) -> None:

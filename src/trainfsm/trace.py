@@ -1,8 +1,10 @@
 """``trainfsm trace``: the story of each attempt that did not complete.
 
-For every failed, preempted or killed attempt (no ``exit`` event): on each rank, the last N events
-before the end, the state and step where the trail ends, every exception with its traceback; then
-what the next attempt did (resumed from which checkpoint, skipped which, or started afresh).
+For every failed, preempted or killed attempt (no ``exit`` event): with several ranks, the cause
+(the earliest exception on a rank that did not fail in a collective because of another); on each
+rank, the last N events before the end, the state and step where the trail ends, every exception
+with its traceback; then what the next attempt did (resumed from which checkpoint, skipped which,
+or started afresh).
 
 The trail is read once: the audit's replay gives the attempts' outcome, and a bounded tail per rank
 and attempt keeps the last events, so a week-long trail costs no more memory than a short one.
@@ -31,6 +33,7 @@ class _Tail:
 
     events: deque[Record]
     exceptions: list[Record] = field(default_factory=list)
+    collective_failed: bool = False  # this rank failed in a collective because of another rank
 
 
 @dataclass(slots=True)
@@ -55,6 +58,8 @@ def trace(inputs: Iterable[Path], events: int = DEFAULT_EVENTS) -> TraceReport:
         tail.events.append(record)
         if record.name == "exception":
             tail.exceptions.append(record)
+        elif record.name == "collective_failed":
+            tail.collective_failed = True
 
     report = audit_trail(open_trail(inputs), observe=observe)
     return TraceReport(report, tails)
@@ -88,6 +93,9 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
     else:
         outcome = f"{first.exit['reason']} (exit code {first.exit['code']})"
     lines = [f"attempt {attempt.attempt}: {outcome}"]
+    cause = _cause(report, attempt)
+    if cause is not None:
+        lines.append(cause)
     for rank in attempt.ranks:
         tail = report.tails[(attempt.attempt, rank.rank)]
         last = tail.events[-1]
@@ -100,6 +108,25 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
             lines.extend(f"      {text}" for text in str(data.get("traceback") or "").rstrip().splitlines())
     lines.append("  " + _next_attempt(report.audit, attempt.attempt))
     return lines
+
+
+def _cause(report: TraceReport, attempt: AttemptReport) -> str | None:
+    """With several ranks: the exception that started it. A rank whose collective failed because
+    of another (``collective_failed``) is a consequence; the earliest other exception is the cause."""
+    if len(attempt.ranks) < 2:
+        return None
+    tails = [report.tails[(attempt.attempt, rank.rank)] for rank in attempt.ranks]
+    own = [exc for tail in tails if not tail.collective_failed for exc in tail.exceptions[:1]]
+    if not own:
+        return None
+    first = min(own, key=lambda record: record.ts)
+    followers = sorted(rank.rank for rank, tail in zip(attempt.ranks, tails, strict=True) if tail.collective_failed)
+    after = f"; rank(s) {', '.join(map(str, followers))} then failed in a collective" if followers else ""
+    data = first.data
+    return (
+        f"  cause: rank {first.rank} at step {first.step} ({first.state}): {data.get('type')}: "
+        f"{_short(data.get('message'))} ({first.where()}){after}"
+    )
 
 
 def _describe(record: Record, end: float) -> str:
