@@ -13,6 +13,8 @@ adds ``training_state.pt`` and, once every rank's files are durable, ``manifest.
 
 Nothing is gathered on one rank, in memory or on disk. All ranks must see the same filesystem (the
 same path on every node). ``trainfsm inspect runs/fsdp`` verifies it and lists its keys and shapes.
+The data, optimizer and forward are ``examples/ddp.py``'s (imported): only the model's wrapping
+and the checkpoint hook differ.
 """
 
 from __future__ import annotations
@@ -25,32 +27,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ddp import DDPTrainer  # examples/ddp.py: this directory is on sys.path when a script here runs
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from trainfsm import BaseTrainer, CheckpointingHook
+from trainfsm import CheckpointingHook
 from trainfsm.distributed import DistEnv, cleanup_distributed, init_distributed, wrap_model
 
 
-def make_dataset(n: int = 1024, features: int = 32, classes: int = 4) -> TensorDataset:
-    """Inputs labelled by a fixed random linear teacher: made here, the same on every rank."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(n, features, generator=generator)
-    return TensorDataset(x, (x @ torch.randn(features, classes, generator=generator)).argmax(1))
+class FSDPTrainer(DDPTrainer):
+    """``examples/ddp.py``'s trainer (data, optimizer, forward); only the wrapping and the hook differ."""
 
-
-class FSDPTrainer(BaseTrainer):
     def __init__(self, layout: DistEnv | None, interval: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.layout = layout
-        self.interval = interval
-
-    def build_data_loader(self) -> DataLoader[Any]:
-        dataset = make_dataset()
-        if self.layout is None:
-            return DataLoader(dataset, batch_size=32, shuffle=True)
-        sampler = DistributedSampler(dataset, num_replicas=self.layout.world_size, rank=self.layout.rank, seed=0)
-        return DataLoader(dataset, batch_size=32, sampler=sampler)
+        super().__init__(layout, interval, step_seconds=0.0, **kwargs)
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(0)
@@ -62,17 +50,9 @@ class FSDPTrainer(BaseTrainer):
                 wrap_model(layer, "fsdp")
         return wrap_model(model, "fsdp")
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=1e-2)  # type: ignore[union-attr]
-
     def build_hooks(self) -> list[Any]:
         # sharded="auto": sharded checkpoints for the split FSDP state, a full one in one process.
         return [CheckpointingHook(interval=self.interval, keep_previous=1)]
-
-    def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        x, y = (t.to(self.device) for t in input)
-        logits = self.model(x)  # type: ignore[misc]
-        return nn.functional.cross_entropy(logits, y), {"accuracy": (logits.argmax(1) == y).float().mean()}
 
 
 def main() -> None:

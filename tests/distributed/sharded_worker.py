@@ -16,17 +16,14 @@ to ``DIR/SCENARIO.rank{R}.pt`` and its runs' workspaces (checkpoints, audit trai
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tests.distributed.worker import _params, ddp, fsdp_mlp, make_trainer, mlp
+from tests.distributed.worker import Scenario, _params, ddp, fsdp_mlp, make_trainer, mlp, parser, serve
 from trainfsm import BaseHook, CheckpointingHook
 
 
@@ -115,35 +112,16 @@ def scenario_kill(out: Path, rank: int, action: str) -> dict[str, Any]:
     return {"run": train(out / "kill", fsdp_mlp, 4, interval=2, keep_previous=1)}
 
 
+SCENARIOS: dict[str, Scenario] = {
+    "world1_before": lambda args, rank: scenario_world1_before(args.out, rank),
+    "fsdp": lambda args, rank: scenario_fsdp(args.out, rank),
+    "world1_after": lambda args, rank: scenario_world1_after(args.out, rank),
+    "kill": lambda args, rank: scenario_kill(args.out, rank, args.action),
+}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("scenario")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--pg-timeout", type=float, default=20.0)
-    parser.add_argument("--action", default="none")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-
-    from trainfsm.distributed import cleanup_distributed, init_distributed
-
-    layout = init_distributed(backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
-    if layout is None:
-        sys.exit("sharded_worker.py runs under tests/distributed/launch.py, which sets RANK and WORLD_SIZE")
-    try:
-        if args.scenario == "world1_before":
-            result = scenario_world1_before(args.out, layout.rank)
-        elif args.scenario == "fsdp":
-            result = scenario_fsdp(args.out, layout.rank)
-        elif args.scenario == "world1_after":
-            result = scenario_world1_after(args.out, layout.rank)
-        elif args.scenario == "kill":
-            result = scenario_kill(args.out, layout.rank, args.action)
-        else:
-            raise SystemExit(f"unknown scenario {args.scenario!r}")
-        torch.save(result, args.out / f"{args.scenario}.rank{layout.rank}.pt")
-        barrier()  # leave together: gloo may abort a rank whose peer tore down first
-    finally:
-        cleanup_distributed()
+    serve(SCENARIOS, parser(__doc__).parse_args(), "sharded_worker.py")
 
 
 if __name__ == "__main__":

@@ -379,39 +379,32 @@ def scenario_one_rank(
     return {"params": _params(trainer), "warnings": [w.category.__name__ for w in caught]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments every worker takes: the scenario, where to write, the group's timeout, an action."""
+    parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("scenario")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--pg-timeout", type=float, default=20.0)
     parser.add_argument("--action", default="none")
-    parser.add_argument("--norm", action="store_true")
-    parser.add_argument("--linger", type=float, default=0.0)
-    parser.add_argument("--agree", action="store_true", help="loss_none_agreement=True")
-    parser.add_argument("--interval", type=int, default=0, help="checkpoint every N steps (0: no hook)")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    return parser
 
+
+Scenario = Callable[[argparse.Namespace, int], dict[str, Any]]
+
+
+def serve(scenarios: Mapping[str, Scenario], args: argparse.Namespace, name: str) -> None:
+    """Join the group, run ``args.scenario`` on this rank, save what it returns, leave together."""
+    torch.set_num_threads(1)
     from trainfsm.distributed import cleanup_distributed, init_distributed
 
     layout = init_distributed(backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
     if layout is None:
-        sys.exit("worker.py runs under tests/distributed/launch.py (or torchrun), which set RANK and WORLD_SIZE")
+        sys.exit(f"{name} runs under tests/distributed/launch.py (or torchrun), which set RANK and WORLD_SIZE")
     try:
-        if args.scenario == "ddp":
-            result = scenario_ddp(args.out, layout.rank)
-        elif args.scenario == "fsdp":
-            result = scenario_fsdp(args.out, layout.rank)
-        elif args.scenario == "fsdp_nan":
-            result = scenario_fsdp_nan(args.out, layout.rank)
-        elif args.scenario == "ddp_faults":
-            result = scenario_ddp_faults(args.out, layout.rank)
-        elif args.scenario == "one_rank":
-            result = scenario_one_rank(
-                args.out, layout.rank, args.action, args.norm, args.linger, agree=args.agree, interval=args.interval
-            )
-        else:
-            raise SystemExit(f"unknown scenario {args.scenario!r}")
+        scenario = scenarios.get(args.scenario)
+        if scenario is None:
+            raise SystemExit(f"unknown scenario {args.scenario!r}; one of {', '.join(scenarios)}")
+        result = scenario(args, layout.rank)
         torch.save(result, args.out / f"{args.scenario}.rank{layout.rank}.pt")
         # Both ranks reach the teardown together: a rank that destroys its gloo group while the
         # other is still closing its pairs can be aborted by gloo (exit -6) after a clean run.
@@ -420,6 +413,26 @@ def main() -> None:
         dist.barrier()
     finally:
         cleanup_distributed()
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "ddp": lambda args, rank: scenario_ddp(args.out, rank),
+    "fsdp": lambda args, rank: scenario_fsdp(args.out, rank),
+    "fsdp_nan": lambda args, rank: scenario_fsdp_nan(args.out, rank),
+    "ddp_faults": lambda args, rank: scenario_ddp_faults(args.out, rank),
+    "one_rank": lambda args, rank: scenario_one_rank(
+        args.out, rank, args.action, args.norm, args.linger, agree=args.agree, interval=args.interval
+    ),
+}
+
+
+def main() -> None:
+    arguments = parser(__doc__)
+    arguments.add_argument("--norm", action="store_true")
+    arguments.add_argument("--linger", type=float, default=0.0)
+    arguments.add_argument("--agree", action="store_true", help="loss_none_agreement=True")
+    arguments.add_argument("--interval", type=int, default=0, help="checkpoint every N steps (0: no hook)")
+    serve(SCENARIOS, arguments.parse_args(), "worker.py")
 
 
 if __name__ == "__main__":
