@@ -131,8 +131,10 @@ def test_loss_none_on_one_rank_gives_the_parameters_of_a_run_where_every_rank_sk
 
 
 def test_loss_none_on_one_rank_after_a_forward_with_buffers_is_skipped_by_both(tmp_path: Path) -> None:
-    outcome, trails = _one_rank(tmp_path, "none_after_forward", "--norm", "--agree")  # DDP broadcasts buffers
+    # DDP broadcasts buffers in forward; checkpoints every 2 steps compare the ranks' skip counts.
+    outcome, trails = _one_rank(tmp_path, "none_after_forward", "--norm", "--agree", "--interval", "2")
     assert outcome.codes == {0: 0, 1: 0}, outcome.describe()
+    assert [e["saved_step"] for e in trails[0] if e["event"] == "checkpoint_saved"] == [2, 4]  # both skipped it
     assert [[(e["step"], e["ranks"]) for e in t if e["event"] == "loss_none"] for t in trails] == [[(2, [1])]] * 2
     assert summary(trails[0]) == summary(trails[1])
     assert summary(trails[0])["exit"] == [(4, "completed", 0)]

@@ -118,7 +118,8 @@ class BaseTrainer:
         # With several ranks: agree before every backward whether some rank's loss is None (one
         # small host all-reduce per micro-batch), so one rank may skip alone; see trainfsm.agreement.
         self.loss_none_agreement = check.boolean("loss_none_agreement", loss_none_agreement)
-        #: Micro-batches this rank skipped for loss=None in this launch; checkpoints compare ranks'.
+        #: Micro-batches this rank skipped for loss=None in this launch (with loss_none_agreement,
+        #: also those another rank returned None for): checkpoints compare the ranks' counts.
         self.loss_none_skips = 0
 
         # The trainer's own resumable state: the completed step count and the data epoch.
@@ -409,14 +410,13 @@ class BaseTrainer:
         if loss is None:  # on this rank; with loss_none_agreement, on any: then every rank skips it
             agreement = self._agreement
             ranks = agreement.none_ranks() if agreement is not None else [self.rank]
-            if self.rank in ranks:
-                self.loss_none_skips += 1
-                if self._warn_loss_none:
-                    warnings.warn(
-                        _LOSS_NONE_AGREED if agreement is not None else _LOSS_NONE_ALONE,
-                        LossNoneWarning,
-                        stacklevel=3,  # the user's train() call
-                    )
+            self.loss_none_skips += 1  # this rank skipped it, whichever rank returned None
+            if self._warn_loss_none and self.rank in ranks:
+                warnings.warn(
+                    _LOSS_NONE_AGREED if agreement is not None else _LOSS_NONE_ALONE,
+                    LossNoneWarning,
+                    stacklevel=3,  # the user's train() call
+                )
             self.audit.debug("loss_none", micro=self._micro, ranks=ranks)
             return self.micro
         self._micro += 1
