@@ -192,8 +192,6 @@ class _Replay:
         if record.name == "transition":
             self._transition(record)
         else:
-            if record.name == "data_exhausted" and record.step == self.step - 1:
-                self._step_never_happened()
             self._check_position(record)
             handler = _HANDLERS.get(record.name)
             if handler is not None:
@@ -233,6 +231,8 @@ class _Replay:
             )
         elif (trigger, source, dest) not in _TABLE:
             self.problem("illegal_transition", record, f"{trigger}: {source} -> {dest} is not a row of the machine")
+        if trigger in fsm.STEP_TAKEN_BACK:
+            self._step_never_happened()
         self._check_step(record)
         if record.state != dest:
             self.problem("state_mismatch", record, f"a transition to {dest} written in state {record.state}")
@@ -245,7 +245,7 @@ class _Replay:
                 self.result.first_step = self.step
 
     def _step_never_happened(self) -> None:
-        """``max_epochs`` ran out at a step's first micro-batch: the step that began is taken back."""
+        """A trigger of ``fsm.STEP_TAKEN_BACK`` (``max_epochs`` ran out): the step that began is taken back."""
         self.step -= 1
         if self.result.first_step == self.step + 1:
             self.result.first_step = None

@@ -75,6 +75,10 @@ TRANSITIONS: Final[tuple[tuple[str, tuple[str, ...], str], ...]] = (
 
 TRIGGERS: Final[tuple[str, ...]] = tuple(trigger for trigger, _, _ in TRANSITIONS)
 
+#: Triggers that take back the step STEP began (it found no data): the trainer's step is one less
+#: when they fire, and the audit's replay goes back with it.
+STEP_TAKEN_BACK: Final[frozenset[str]] = frozenset({"exhausted"})
+
 #: Seed hook methods bound to transitions: method -> (callback list, trigger, source).
 #: ``on_before_step`` and ``on_after_train`` are state entries and are bound as such.
 SEED_TRANSITION_HOOKS: Final[dict[str, tuple[tuple[str, str, str], ...]]] = {

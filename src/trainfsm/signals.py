@@ -7,9 +7,10 @@ collective. The trainer looks at the record at the end of every optimizer step a
 agree that a signal is pending, takes ``save`` to CHECKPOINT and ``finish`` to EXIT with reason
 ``preempted``; a signal during BUILD or RESTORE takes ``preempt`` straight to EXIT.
 
-Across ranks the pending signal rides on the all-reduce that agrees on each micro-batch before its
-backward (``trainfsm.agreement``): no collective of its own, and a signal that reached only one rank
-still stops every rank at the same step.
+Across ranks a signal that reached only one rank still stops every rank at the same step: one small
+all-reduce per step carries it, started when the step begins and waited for when it ends
+(``trainfsm.agreement.SignalAgreement``), or, with ``loss_none_agreement=True``, it rides on the
+all-reduce that agrees on each micro-batch before its backward.
 """
 
 from __future__ import annotations

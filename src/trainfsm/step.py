@@ -150,7 +150,7 @@ class Stepper:
         over the step's micro-batches. ``no_sync`` wraps forward and backward of every micro-batch
         but the last, so DDP all-reduces once per step.
 
-        With several ranks (an ``agreement``), the ranks agree between forward and backward: the
+        With ``loss_none_agreement`` (an ``agreement``), the ranks agree between forward and backward: the
         loss is None on every rank when it was None on any, so nobody runs backward and DDP's
         gradient all-reduces stay paired (one small host collective, see ``trainfsm.agreement``).
         """

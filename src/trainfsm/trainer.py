@@ -188,6 +188,9 @@ class BaseTrainer:
         self._signals = SignalWatcher(self)
         self._agreement: Agreement | None = None
         self._signal_agreement: SignalAgreement | None = None
+        # The signal pending on any rank at the end of a step: this rank's own, the step's signal
+        # all-reduce, or the last micro-batch agreement's. Chosen in BUILD, called once per step.
+        self._pending_signal: Callable[[], int] = lambda: self._signals.pending
         if self.exit_policy is not None:
             self._signals.install(self.exit_policy.signals)
         runs: dict[str, Callable[[], Callable[[], bool] | None]] = {
@@ -322,8 +325,12 @@ class BaseTrainer:
             installed = self._signals.install(self.exit_policy.signals)
             if not installed and not self._signals.installed_any:
                 self.audit.warning("signals_not_installed", reason="train() is not running in the main thread")
-            if self.world_size > 1 and self._agreement is None:  # else the signal rides on its all-reduce
+            if self.world_size > 1 and self._agreement is None:
                 self._signal_agreement = SignalAgreement()
+                self._pending_signal = self._signal_agreement.result
+        if self._agreement is not None:  # the signal rides on its all-reduce, with or without a policy
+            agreement = self._agreement
+            self._pending_signal = lambda: agreement.signal
         self._data_resume: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
         self._batches = 0
         self._epoch_rng: dict[str, Any] | None = None
@@ -454,13 +461,7 @@ class BaseTrainer:
         # The askers first: one of them may run work (ValidationHook evaluates here) during which a
         # signal can arrive; read after them, it is honoured at this step (with one rank).
         stop = any(ask() for ask in self._stop_askers) if self._stop_askers else False
-        # With several ranks: the signal pending on any rank at this step's last agreement.
-        if self._agreement is not None:
-            pending = self._agreement.signal
-        elif self._signal_agreement is not None:
-            pending = self._signal_agreement.result()
-        else:
-            pending = self._signals.pending
+        pending = self._pending_signal()
         if pending:
             self._agree_signal(pending)
         elif stop or self.step >= self.max_steps:
@@ -504,9 +505,10 @@ class BaseTrainer:
         ``trainer.step`` goes back to the last completed step, which CHECKPOINT then saves.
         """
         self._stepper.discard()
-        self.step -= 1
+        self._pending_signal()  # the step's signal all-reduce is waited for: the run is complete anyway
         self.exit_reason, self.exit_code = "completed", 0
         self.audit.info("data_exhausted", epochs=self.max_epochs, dropped_micro_batches=self._micro)
+        self.step -= 1  # after the event, which belongs to the step that began; see fsm.STEP_TAKEN_BACK
         return self.exhausted
 
     def _run_retry(self) -> Callable[[], bool]:
