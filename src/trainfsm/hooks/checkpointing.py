@@ -264,18 +264,15 @@ class CheckpointingHook(BaseHook):
             return
         state = trainer.state_dict()  # every rank: FSDP gathers collectively
         _refuse_sharded(state["model"])  # on every rank alike, before any rank writes or waits
-        mine = {"rng": rng.capture(), "data": trainer.data_state(), "loss_none_skips": trainer.loss_none_skips}
-        ranks = _gather(mine, trainer.world_size)
+        ranks = _gather(_rank_state(trainer), trainer.world_size)
         _check_ranks_in_step(ranks, trainer.step)  # on every rank alike, before anything is written
         if trainer.rank == 0:
             started = time.perf_counter()
-            parts: dict[str, Any] = {
-                "model": {key: state[key] for key in MODEL_KEYS},
-                "training_state": {**{key: state[key] for key in TRAINING_KEYS}, "ranks": ranks},
-            }
-            extra = {key: value for key, value in state.items() if key not in MODEL_KEYS + TRAINING_KEYS}
-            if extra:
-                parts["hooks"] = extra
+            parts = _with_hooks(
+                state,
+                model={key: state[key] for key in MODEL_KEYS},
+                training_state={**{key: state[key] for key in TRAINING_KEYS}, "ranks": ranks},
+            )
             step, keep = trainer.step, self._kept(trainer.step)
             if self.async_save:
                 staged, copies = _stage(parts, trainer)
@@ -310,8 +307,9 @@ class CheckpointingHook(BaseHook):
                 tmp = store.begin(step)
             except OSError as exc:
                 error = f"could not create a directory under {store.root}: {exc}"
-        mine = {"rng": rng.capture(), "data": trainer.data_state(), "loss_none_skips": trainer.loss_none_skips}
-        shared = _gather({"state": mine, "tmp": None if tmp is None else str(tmp), "error": error}, world)
+        shared = _gather(
+            {"state": _rank_state(trainer), "tmp": None if tmp is None else str(tmp), "error": error}, world
+        )
         if shared[0]["error"] is not None:
             raise CheckpointError(f"sharded checkpoint at step {step} was not saved: rank 0 {shared[0]['error']}")
         try:
@@ -360,10 +358,7 @@ class CheckpointingHook(BaseHook):
                 outcome = "; ".join(errors)
             else:
                 training = {key: state[key] for key in TRAINING_KEYS if key != "optimizer"}  # optimizer: DCP
-                parts: dict[str, Any] = {"training_state": {**training, "ranks": [s["state"] for s in shared]}}
-                extra = {key: value for key, value in state.items() if key not in MODEL_KEYS + TRAINING_KEYS}
-                if extra:
-                    parts["hooks"] = extra
+                parts = _with_hooks(state, training_state={**training, "ranks": [s["state"] for s in shared]})
                 files = {name: entry for e in entries for name, entry in e["files"].items()}
                 try:
                     saved = self._write(step, parts, keep, into=tmp, written=files, world_size=world)
@@ -520,6 +515,17 @@ def _stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple
         for part, value in parts.items()
     }
     return staged, copies
+
+
+def _rank_state(trainer: BaseTrainer) -> dict[str, Any]:
+    """What each rank contributes to a checkpoint: its random streams, data position, skip count."""
+    return {"rng": rng.capture(), "data": trainer.data_state(), "loss_none_skips": trainer.loss_none_skips}
+
+
+def _with_hooks(state: dict[str, Any], **parts: Any) -> dict[str, Any]:
+    """``parts`` (file stem -> object), plus ``hooks`` when ``state`` holds hook state."""
+    extra = {key: value for key, value in state.items() if key not in MODEL_KEYS + TRAINING_KEYS}
+    return {**parts, "hooks": extra} if extra else parts
 
 
 def _check_ranks_in_step(ranks: list[dict[str, Any]], step: int) -> None:
