@@ -25,14 +25,14 @@ from tests.distributed.launch import ROOT, audit_problems, events, free_port, ru
 from tests.test_checkpointing import Trainer, params, run
 from tests.test_checkpointing import events as trail
 from trainfsm import CheckpointError, CheckpointingHook
-from trainfsm.checkpoint import CheckpointStore
+from trainfsm.checkpoint import CHUNK_BYTES, CheckpointStore
 
 WORKER = Path(sharded_worker.__file__)
 WORLD = 2
 distributed = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
 
 
-def sha256_chunks(path: Path, chunk: int = 16 << 20) -> list[str]:
+def sha256_chunks(path: Path, chunk: int = CHUNK_BYTES) -> list[str]:
     data = path.read_bytes()
     return [hashlib.sha256(data[i : i + chunk]).hexdigest() for i in range(0, max(len(data), 1), chunk)]
 
