@@ -119,6 +119,18 @@ def test_resume_is_exact_with_dropout_shuffle_adam_and_scheduler(tmp_path: Path)
     assert resumed.lr_scheduler.last_epoch == 13  # type: ignore[union-attr]
 
 
+def test_checkpoints_written_through_the_page_cache_resume_the_same(tmp_path: Path) -> None:
+    direct = params(run(tmp_path / "a", 8))
+    cached = run(tmp_path / "b", 8, direct_io=False)
+    assert cached.hook is not None and cached.hook.store is not None and not cached.hook.store.direct_io
+    a = CheckpointStore.load(tmp_path / "a" / "checkpoints" / "8")["model"]["model"]
+    b = CheckpointStore.load(tmp_path / "b" / "checkpoints" / "8")["model"]["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(x, y) for x, y in zip(direct, params(cached), strict=True))
+    with pytest.raises(TypeError, match="CheckpointingHook direct_io must be True or False; got 'yes'"):
+        CheckpointingHook(interval=1, direct_io="yes")  # type: ignore[arg-type]
+
+
 def test_resume_of_a_finished_run_exits_without_stepping(tmp_path: Path) -> None:
     run(tmp_path, 4)
     again = Trainer(CheckpointingHook(interval=4), max_steps=4, workspace=tmp_path)
@@ -447,24 +459,37 @@ def test_manifest_checksums_are_the_sha256_of_each_4_mib_of_the_files_on_disk(tm
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
-def test_a_file_of_exactly_one_chunk_has_one_sum(tmp_path: Path) -> None:
+def write_file(path: Path, pieces: list[Any], direct: bool = True) -> tuple[dict[str, Any], bool]:
+    """The manifest entry _DurableWriter gives a file written in ``pieces``, and whether it
+    still wrote past the page cache at the end."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from trainfsm.checkpoint import _DurableWriter
+    from trainfsm.checkpoint import _DurableWriter, _Staging
 
-    data = bytes(range(256)) * (CHUNK_BYTES // 256)
     with ThreadPoolExecutor(1) as io, ThreadPoolExecutor(2) as hashers:
-        writer = _DurableWriter(tmp_path / "f", io, hashers, deferred=True)
-        writer.write(data[:100])
-        writer.write(data[100:])
+        writer = _DurableWriter(path, io, hashers, _Staging(), direct=direct)
+        for piece in pieces:
+            writer.write(piece)
         entry = writer.finish()
+        return entry, writer._direct
+
+
+def test_a_file_of_exactly_one_chunk_has_one_sum(tmp_path: Path) -> None:
+    data = bytes(range(256)) * (CHUNK_BYTES // 256)
+    entry, _ = write_file(tmp_path / "f", [data[:100], data[100:]])
     assert entry["sha256_chunks"] == chunk_sums(data) and len(entry["sha256_chunks"]) == 1
+
+
+def test_an_empty_file_has_the_sum_of_no_bytes(tmp_path: Path) -> None:
+    entry, _ = write_file(tmp_path / "f", [])
+    assert entry == {"bytes": 0, "chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(b"")}
+    assert (tmp_path / "f").read_bytes() == b""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own priority is a Linux feature")
 def test_hashing_threads_run_below_the_thread_that_writes_the_file(tmp_path: Path) -> None:
-    # The hashers yield the CPU to the thread copying the file into the page cache, so the disk
-    # starts writing back early (benchmarks/checkpoint.py measures what that buys).
+    # The hashers yield the CPU to the thread that copies the file into the staging buffers, so the
+    # disk gets its next buffer early (benchmarks/checkpoint.py measures what that buys).
     import threading
 
     from trainfsm.checkpoint import HASH_NICE, _hash_pool
@@ -476,15 +501,15 @@ def test_hashing_threads_run_below_the_thread_that_writes_the_file(tmp_path: Pat
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # this thread is untouched
 
 
-def test_without_deferred_hashing_a_reused_buffer_is_hashed_before_write_returns(tmp_path: Path) -> None:
+def test_a_buffer_reused_after_write_returned_does_not_change_the_file(tmp_path: Path) -> None:
     # Device tensors reach write() as temporary host buffers that torch frees or reuses afterwards.
     from concurrent.futures import ThreadPoolExecutor
 
-    from trainfsm.checkpoint import _DurableWriter
+    from trainfsm.checkpoint import _DurableWriter, _Staging
 
     buffer = bytearray(b"a" * (20 << 20))
     with ThreadPoolExecutor(1) as io, ThreadPoolExecutor(2) as hashers:
-        writer = _DurableWriter(tmp_path / "f", io, hashers, deferred=False)
+        writer = _DurableWriter(tmp_path / "f", io, hashers, _Staging(), direct=True)
         writer.write(b"header")
         writer.write(buffer)
         buffer[:] = b"b" * len(buffer)  # what a reused buffer looks like after write() returned
@@ -493,6 +518,73 @@ def test_without_deferred_hashing_a_reused_buffer_is_hashed_before_write_returns
     data = (tmp_path / "f").read_bytes()
     assert data == b"header" + b"a" * (20 << 20) + b"b" * (20 << 20)
     assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(data)}
+
+
+def _direct_io_works(directory: Path) -> bool:
+    from trainfsm.checkpoint import _open_for_writing
+
+    fd, direct = _open_for_writing(directory / "probe", True)
+    os.close(fd)
+    return direct
+
+
+def test_files_bypass_the_page_cache_and_are_cut_to_their_size(tmp_path: Path) -> None:
+    if not _direct_io_works(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    data = os.urandom(3 * CHUNK_BYTES + 1234)  # the last buffer is padded for O_DIRECT, then cut
+    entry, direct = write_file(tmp_path / "f", [data[:10], data[10:]])
+    assert direct
+    assert (tmp_path / "f").read_bytes() == data
+    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(data)}
+
+
+def test_a_write_that_refuses_o_direct_goes_on_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Some file systems accept O_DIRECT at open() and refuse it at write() with EINVAL.
+    import errno
+    import fcntl
+
+    if not _direct_io_works(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    pwrite = os.pwrite
+    refused = []
+
+    def picky(fd: int, data: Any, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", picky)
+    data = os.urandom(2 * CHUNK_BYTES + 99)
+    entry, direct = write_file(tmp_path / "f", [data])
+    assert refused == [0] and not direct
+    assert (tmp_path / "f").read_bytes() == data
+    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(data)}
+
+
+def test_without_direct_io_files_go_through_the_page_cache(tmp_path: Path) -> None:
+    data = os.urandom(CHUNK_BYTES + 5)
+    entry, direct = write_file(tmp_path / "f", [data], direct=False)
+    assert not direct and (tmp_path / "f").read_bytes() == data
+    assert entry["sha256_chunks"] == chunk_sums(data)
+    with pytest.raises(TypeError, match="direct_io must be True or False"):
+        CheckpointStore(tmp_path, direct_io="no")  # type: ignore[arg-type]
+
+
+def test_a_disk_full_in_the_background_write_loses_no_earlier_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run(tmp_path, 4)
+    monkeypatch.setattr(os, "pwrite", _disk_full)  # the writer thread's write, not torch's call
+    trainer = Trainer(CheckpointingHook(interval=4), max_steps=8, workspace=tmp_path)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.train()
+    monkeypatch.undo()
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["4", "latest"]  # no partial 8, no temp dir
+    CheckpointStore.verify(root / "4")
 
 
 def test_checkpoint_files_skip_torchs_crc32_and_still_load_with_plain_torch_load(tmp_path: Path) -> None:

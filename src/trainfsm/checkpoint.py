@@ -30,8 +30,10 @@ written=...)``), so it is complete only when every rank's part is durable.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
+import mmap
 import os
 import pickle
 import platform
@@ -56,6 +58,9 @@ FORMAT: Final = 2  # 2: a sha256 per CHUNK_BYTES of each file; 1: one sha256 per
 FORMAT_SHARDED: Final = 3  # format 2 plus "sharded", "world_size", and each shard's writer ("rank")
 READS: Final = (1, 2, 3)
 CHUNK_BYTES: Final = 4 << 20  # small enough that hashing starts early and the last chunk is hashed soon
+BUFFER_BYTES: Final = 2 * CHUNK_BYTES  # a staging buffer: the disk writes one while torch fills the next
+BUFFERS: Final = 4
+ALIGN: Final = 4096  # O_DIRECT: buffer addresses, file offsets and lengths are multiples of this
 HASH_NICE: Final = 10  # how much lower than their creator the hashing threads run (see _hash_pool)
 
 
@@ -118,10 +123,11 @@ def _hash_pool(purpose: str) -> ThreadPoolExecutor:
     """Two threads for sha256 work (hashlib releases the GIL), below the thread that writes.
 
     Hashing takes more CPU than anything else in a save (~0.14 core-seconds per 200 MB), so on a
-    small machine it competes with the thread that copies the file into the page cache. That copy
-    is what the disk waits for: given way to, it is done early and writeback runs while the hashers
-    catch up, which took a 200 MB save here from ~0.135 s to ~0.115 s. During an asynchronous save
-    the same priority keeps the hashers behind the training thread.
+    small machine it competes with the thread that serializes the file into the staging buffers.
+    That thread is what the disk waits for: given way to, it fills the next buffer early and the
+    disk stays busy while the hashers catch up (a 200 MB save here went from ~0.135 s to ~0.115 s
+    with this alone). During an asynchronous save the same priority keeps the hashers behind the
+    training thread.
     """
     return ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"trainfsm-{purpose}", initializer=_lower_priority)
 
@@ -133,119 +139,153 @@ def parse_step(name: str) -> tuple[int, bool] | None:
     return (int(digits), kept) if digits.isdigit() else None
 
 
+class _Staging:
+    """The page-aligned buffers a store copies every file it writes through (``BUFFERS`` x
+    ``BUFFER_BYTES``), touched once when made and reused by every save: no save waits for the
+    kernel to find fresh pages for it, neither here nor in the page cache."""
+
+    def __init__(self) -> None:
+        self._maps = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
+        self.views = [memoryview(m) for m in self._maps]
+        zeros = bytes(BUFFER_BYTES)
+        for view in self.views:
+            view[:] = zeros
+
+
+def _open_for_writing(path: Path, direct: bool) -> tuple[int, bool]:
+    """A new file's descriptor, and whether it writes past the page cache (``O_DIRECT``)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    o_direct = getattr(os, "O_DIRECT", 0)
+    if direct and o_direct:
+        with contextlib.suppress(OSError):  # tmpfs and some network or FUSE file systems refuse it
+            return os.open(path, flags | o_direct, 0o644), True
+    return os.open(path, flags, 0o644), False
+
+
+def _sha256_hex(view: memoryview) -> str:
+    return hashlib.sha256(view).hexdigest()
+
+
 class _DurableWriter:
-    """The file ``torch.save`` writes into: hashes and flushes while serialization goes on.
+    """The file ``torch.save`` writes into: copies it through the store's staging buffers, each
+    of which is hashed and written in the background while torch fills the next.
 
-    A plain ``torch.save`` only copies bytes into the page cache. A sha256 pass afterwards (~0.14 s
-    per 200 MB here, one core) and one fsync at the end (~0.09 s) would add more than a save's time
-    again. Instead:
+    Why not let torch write into the page cache and fsync at the end, as ``torch.save`` + fsync
+    does? That costs a copy into freshly allocated page-cache pages, then a writeback that only
+    starts when asked, then a sha256 pass; on a small machine those compete for the same cores.
+    Here:
 
-    - the file is hashed in ``CHUNK``-byte pieces (the manifest lists one sha256 per chunk), so the
-      chunks are hashed by two threads at once (hashlib releases the GIL) while serialization goes on;
-    - every ``SYNC_EVERY`` bytes an ``fdatasync`` starts in the background, so the final fsync
-      finds little left to write.
+    - the files are opened with ``O_DIRECT`` where the file system allows it, so the disk reads
+      each full buffer straight from our (page-aligned, reused) memory and the disk is busy from
+      the first 8 MiB on; a checkpoint also never pushes the training data out of the page cache.
+      Where ``O_DIRECT`` is refused (at ``open`` or at a write), the same buffers are written
+      through the page cache instead, and ``finish`` fsyncs them;
+    - each ``CHUNK`` of a buffer is hashed by the store's two hashing threads (hashlib releases the
+      GIL), and the manifest lists one sha256 per chunk;
+    - ``write`` copies the bytes before it returns, so torch may free or reuse what it passed
+      (device tensors reach it through temporary host buffers);
+    - a buffer is reused only when its write and its hashes are done; an error in either surfaces
+      at the next use of that buffer or in ``finish``, never later.
 
-    With ``deferred`` (the store passes it when every tensor is in CPU memory), a large write is
-    queued and ``write`` returns at once: torch hands over views of the tensors' own storage, which
-    the caller keeps alive and unchanged until ``finish``; small writes (torch's headers, from
-    buffers it reuses) are copied first, and a chunk is hashed once it is full. Without it (device
-    tensors, which torch copies into temporary host buffers that die after ``write``), the chunks a
-    large write touches are hashed while it is written, and ``write`` waits for them. Either way
-    every load verifies the sums, so a wrong one could never pass unnoticed: it would fail the
-    tests that resume from a checkpoint.
+    The last buffer is padded to ``ALIGN`` bytes for ``O_DIRECT`` and the file cut back to its size.
     """
 
     CHUNK: Final = CHUNK_BYTES
-    SYNC_EVERY: Final = 64 << 20
-    LARGE: Final = 1 << 20
 
-    def __init__(self, path: Path, io: ThreadPoolExecutor, hashers: ThreadPoolExecutor, *, deferred: bool) -> None:
-        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by finish()/abort()
-        self._fd = self._file.fileno()
+    def __init__(
+        self, path: Path, io: ThreadPoolExecutor, hashers: ThreadPoolExecutor, staging: _Staging, *, direct: bool
+    ) -> None:
+        self._path = path
+        self._fd, self._direct = _open_for_writing(path, direct)
         self._io = io
         self._hashers = hashers
-        self._deferred = deferred
-        self._shas = [hashlib.sha256()]  # one per chunk of the file, in order
-        self._pieces: list[Any] = []  # queued for the last chunk, not yet handed to a hasher
-        self._filled = 0  # bytes of the last chunk so far
-        self._hashing: list[Future[None]] = []
-        self._unsynced = 0
-        self._sync: Future[None] | None = None
+        self._buffers = staging.views
+        self._busy: list[list[Future[Any]]] = [[] for _ in self._buffers]  # what still uses each buffer
+        self._current = 0
+        self._filled = 0  # bytes in the current buffer
+        self._offset = 0  # where the current buffer starts in the file
+        self._sums: list[Future[str]] = []
+        self._padded = False
         self.bytes = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         size = view.nbytes
-        large = size >= self.LARGE
-        source = view if large else memoryview(bytes(view))
-        offset = 0
-        while offset < size:
-            piece = source[offset : offset + self.CHUNK - self._filled]
-            self._pieces.append(piece)
-            self._filled += piece.nbytes
-            offset += piece.nbytes
-            if self._filled == self.CHUNK:
-                self._hand_over()
-                self._shas.append(hashlib.sha256())
-                self._filled = 0
-        if large and not self._deferred:
-            self._hand_over()  # torch's buffer dies after this call: hash it now, beside the write
-            self._write_all(view)
-            self._wait_for_hashing()
-        else:
-            self._write_all(view)
+        done = 0
+        while done < size:
+            buffer = self._buffers[self._current]
+            take = min(BUFFER_BYTES - self._filled, size - done)
+            buffer[self._filled : self._filled + take] = view[done : done + take]
+            self._filled += take
+            done += take
+            if self._filled == BUFFER_BYTES:
+                self._send()
+                self._settle(self._current)
         self.bytes += size
-        self._unsynced += size
-        if self._unsynced >= self.SYNC_EVERY and (self._sync is None or self._sync.done()):
-            if self._sync is not None:
-                self._sync.result()  # surface an I/O error now, not at the end
-            self._sync = self._io.submit(os.fdatasync, self._fd)
-            self._unsynced = 0
         return size
 
-    def _hand_over(self) -> None:
-        """Queue the last chunk's pieces for hashing. A chunk is only ever updated by one task at a
-        time: a full chunk is handed over once, and a partial one only when ``write`` then waits."""
-        if self._pieces:
-            self._hashing.append(self._hashers.submit(_update, self._shas[-1], self._pieces))
-            self._pieces = []
+    def _send(self) -> None:
+        """Hash and write the current buffer in the background, then move on to the next one."""
+        index, length = self._current, self._filled
+        buffer = self._buffers[index]
+        tasks: list[Future[Any]] = []
+        for start in range(0, length, self.CHUNK):
+            tasks.append(self._hashers.submit(_sha256_hex, buffer[start : min(start + self.CHUNK, length)]))
+        self._sums.extend(tasks)
+        end = -(-length // ALIGN) * ALIGN if self._direct else length
+        if end > length:
+            buffer[length:end] = bytes(end - length)
+            self._padded = True
+        tasks.append(self._io.submit(self._write_at, buffer[:end], self._offset))
+        self._busy[index] = tasks
+        self._offset += length
+        self._current = (index + 1) % len(self._buffers)
+        self._filled = 0
 
-    def _wait_for_hashing(self) -> None:
-        for task in self._hashing:
+    def _settle(self, index: int) -> None:
+        tasks, self._busy[index] = self._busy[index], []
+        for task in tasks:
             task.result()
-        self._hashing.clear()
 
-    def _write_all(self, view: memoryview) -> None:
+    def _write_at(self, view: memoryview, offset: int) -> None:
         while view.nbytes:
-            written = self._file.write(view)
-            if written is None:  # pragma: no cover - only for non-blocking files
+            try:
+                written = os.pwrite(self._fd, view, offset)
+            except OSError as error:
+                if error.errno != errno.EINVAL or not self._direct:
+                    raise
+                self._through_page_cache()
                 continue
             view = view[written:]
+            offset += written
+
+    def _through_page_cache(self) -> None:
+        """``O_DIRECT`` was refused at a write: go on without it (what was written stays)."""
+        fd = os.open(self._path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        os.close(self._fd)
+        self._fd, self._direct = fd, False
 
     def flush(self) -> None:
         return None
 
     def finish(self) -> dict[str, Any]:
-        """Wait for background syncs, fsync, close; returns the file's manifest entry."""
-        self._hand_over()
-        if self._sync is not None:
-            self._sync.result()
+        """Write the rest, wait for every write and hash, fsync, close; returns the manifest entry."""
+        if self._filled:
+            self._send()
+        for index in range(len(self._buffers)):
+            self._settle(index)
+        if self._padded:
+            os.ftruncate(self._fd, self.bytes)
         os.fsync(self._fd)
-        self._file.close()
-        self._wait_for_hashing()
-        shas = self._shas[:-1] if self._filled == 0 and len(self._shas) > 1 else self._shas
-        return {"bytes": self.bytes, "chunk_bytes": self.CHUNK, "sha256_chunks": [sha.hexdigest() for sha in shas]}
+        os.close(self._fd)
+        sums = [task.result() for task in self._sums] or [hashlib.sha256(b"").hexdigest()]
+        return {"bytes": self.bytes, "chunk_bytes": self.CHUNK, "sha256_chunks": sums}
 
     def abort(self) -> None:
-        for pending in (self._sync, *self._hashing):
-            if pending is not None:
-                pending.exception()
-        self._file.close()
-
-
-def _update(sha: Any, pieces: list[Any]) -> None:
-    for piece in pieces:
-        sha.update(piece)
+        for tasks in self._busy:
+            for task in tasks:
+                task.exception()
+        os.close(self._fd)
 
 
 def _serialize(obj: Any, writer: _DurableWriter) -> None:
@@ -309,24 +349,23 @@ def describe_file(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "chunk_bytes": CHUNK_BYTES, "sha256_chunks": sums}
 
 
-def _all_in_host_memory(obj: Any) -> bool:
-    """Whether every tensor in ``obj`` (nested dicts, lists, tuples) lives in CPU memory, dense."""
-    if isinstance(obj, torch.Tensor):
-        return obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized
-    if isinstance(obj, dict):
-        return all(_all_in_host_memory(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return all(_all_in_host_memory(v) for v in obj)
-    return True
-
-
 class CheckpointStore:
-    """Save, list, verify, load and prune the checkpoints under ``root``."""
+    """Save, list, verify, load and prune the checkpoints under ``root``.
 
-    def __init__(self, root: Path) -> None:
+    ``direct_io=False`` writes through the page cache even where ``O_DIRECT`` works (see
+    ``_DurableWriter``); a store holds ``BUFFERS`` x ``BUFFER_BYTES`` (32 MiB) of staging memory
+    from its first save until ``close``.
+    """
+
+    def __init__(self, root: Path, *, direct_io: bool = True) -> None:
+        if not isinstance(direct_io, bool):
+            raise TypeError(f"CheckpointStore direct_io must be True or False, got {direct_io!r}")
         self.root = root
+        self.direct_io = direct_io
         self._io: ThreadPoolExecutor | None = None
         self._hashers: ThreadPoolExecutor | None = None
+        self._staging: _Staging | None = None
+        self._saving = threading.Lock()  # one save at a time: they share the staging buffers
         # Pointers to move with a later save (point_when_saved): pointer -> first step it may name.
         # Registered on the training thread, applied on the one that saves (an async writer).
         self._due: dict[str, int] = {}
@@ -337,6 +376,7 @@ class CheckpointStore:
             if pool is not None:
                 pool.shutdown(wait=True)
         self._io = self._hashers = None
+        self._staging = None
 
     # ------------------------------------------------------------------ saving
     def begin(self, step: int) -> Path:
@@ -370,7 +410,8 @@ class CheckpointStore:
         """
         tmp = into if into is not None else self.begin(step)
         try:
-            return self._save_into(tmp, step, parts, keep, written, world_size)
+            with self._saving:
+                return self._save_into(tmp, step, parts, keep, written, world_size)
         except BaseException:
             self.discard(tmp)
             raise
@@ -385,14 +426,14 @@ class CheckpointStore:
         world_size: int | None,
     ) -> tuple[Checkpoint, int, str]:
         name = f"{step}{KEEP_SUFFIX}" if keep else str(step)
-        if self._io is None or self._hashers is None:
+        if self._io is None or self._hashers is None or self._staging is None:
             self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-ckpt-io")
             self._hashers = _hash_pool("ckpt-hash")
-        deferred = _all_in_host_memory(parts)  # see _DurableWriter: torch then writes views of storage
+            self._staging = _Staging()
         files: dict[str, dict[str, Any]] = {}
         total = 0
         for stem, obj in parts.items():
-            writer = _DurableWriter(tmp / f"{stem}.pt", self._io, self._hashers, deferred=deferred)
+            writer = _DurableWriter(tmp / f"{stem}.pt", self._io, self._hashers, self._staging, direct=self.direct_io)
             try:
                 _serialize(obj, writer)
                 files[f"{stem}.pt"] = writer.finish()
