@@ -2,7 +2,10 @@
 
 1. A synchronous ``CheckpointStore.save`` (fsyncs, sha256 checksums, manifest, rename, ``latest``)
    against a plain ``torch.save`` of the same state to the same disk, alternating, median of
-   ``--rounds``. Target: ratio <= 1.15.
+   ``--rounds``. Target: ratio <= 1.15. The fastest of each is compared too: on a shared machine
+   a save that uses both cores and the disk (ours) is slowed by neighbours more often than one
+   that uses a core and the page cache (``torch.save``), so the spread between the two ratios is
+   the noise of the machine.
 2. With ``CheckpointingHook(async_save=True)`` in a real trainer, the time the training loop is
    blocked per save against the synchronous save of the same trainer. Target: <= 10 % of it.
    Parameters and optimizer state are copied on the writer thread while the next step's forward
@@ -76,9 +79,11 @@ def compare_sync(directory: Path, megabytes: int, rounds: int) -> float:
             os.sync()  # untimed: each save starts on a settled disk, not behind the last one's deletion
     store.close()
     plain, durable, ours = (statistics.median(times[key]) for key in ("plain", "fsync", "ours"))
+    best = min(times["ours"]) / min(times["plain"])
     print(
         f"| {megabytes:>5} MB | sync save | torch.save {plain:7.3f} s | torch.save+fsync {durable:7.3f} s "
-        f"| CheckpointStore.save {ours:7.3f} s | ratio {ours / plain:5.2f} (vs +fsync {ours / durable:5.2f}) |"
+        f"| CheckpointStore.save {ours:7.3f} s | ratio {ours / plain:5.2f} (vs +fsync {ours / durable:5.2f}; "
+        f"fastest vs fastest {best:5.2f}) |"
     )
     return ours / plain
 
@@ -140,7 +145,7 @@ def compare_async(directory: Path, megabytes: int, steps: int, batch: int) -> fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[200, 1024], help="state sizes in MB")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7, help="saves of each kind per size (medians are compared)")
     parser.add_argument(
         "--batch", type=int, default=8, help="batch of the async case: sets how much compute the copy overlaps"
     )
