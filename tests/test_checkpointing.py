@@ -559,7 +559,7 @@ def test_a_write_that_refuses_o_direct_goes_on_through_the_page_cache(
     monkeypatch.setattr(os, "pwrite", picky)
     data = os.urandom(2 * CHUNK_BYTES + 99)
     entry, direct = write_file(tmp_path / "f", [data])
-    assert refused and refused[0] == 0 and not direct  # the first write is refused (maybe the second too)
+    assert refused and not direct  # the first write to reach the disk is refused (maybe a second one too)
     assert (tmp_path / "f").read_bytes() == data
     assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(data)}
 
