@@ -283,6 +283,30 @@ def test_a_rank_that_stopped_a_step_early_disagrees(
     ]
 
 
+def test_a_rank_that_skipped_a_micro_batch_alone_disagrees(
+    tmp_path: Path, base: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Forward call 4 returned loss=None on rank 1 only: DDP's all-reduce would have paired rank 0's
+    # step 4 gradients with rank 1's step 5 ones. The audit names the micro-batch.
+    run(tmp_path / "skip", steps=6, interval=2, script={4: "none"})
+    write_lines(tmp_path / "run" / "logs" / "events.rank0.jsonl", _as_rank(base, 0))
+    rank1_events = _as_rank(read_lines(trail(tmp_path / "skip")), 1)
+    write_lines(tmp_path / "run" / "logs" / "events.rank1.jsonl", rank1_events)
+    code, report = audit_json(capsys, tmp_path / "run")
+    assert code == 1 and problems(report) == [("rank_disagreement", "events.rank1.jsonl", len(rank1_events))]
+    message = report["problems"][0]["message"]
+    assert message == "attempt 0: loss=None micro-batches: rank 0 none, rank 1 ['step 4 micro 0']"
+
+
+def test_ranks_that_skipped_the_same_micro_batch_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(tmp_path / "skip", steps=6, interval=2, script={4: "none"})
+    events = read_lines(trail(tmp_path / "skip"))
+    write_lines(tmp_path / "run" / "logs" / "events.rank0.jsonl", _as_rank(events, 0))
+    write_lines(tmp_path / "run" / "logs" / "events.rank1.jsonl", _as_rank(events, 1))
+    code, report = audit_json(capsys, tmp_path / "run")
+    assert code == 0 and report["problems"] == []
+
+
 def test_a_rank_with_another_exit_code_disagrees(
     tmp_path: Path, base: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -146,6 +146,7 @@ class RankAttempt:
     steps_done: int = 0
     micro_batches: int = 0
     loss_none: int = 0
+    loss_none_at: list[str] = field(default_factory=list)  # "step S micro M" of each skipped micro-batch
     retries: list[dict[str, Any]] = field(default_factory=list)
     scaler_skips: list[int] = field(default_factory=list)
     checkpoint_steps: list[int] = field(default_factory=list)
@@ -314,6 +315,7 @@ class _Replay:
 
     def _loss_none(self, record: Record) -> None:
         self.result.loss_none += 1
+        self.result.loss_none_at.append(f"step {record.step} micro {record.data.get('micro')}")
 
     def _signal_received(self, record: Record) -> None:
         data = record.data
@@ -585,6 +587,9 @@ def _check_attempt(attempt: AttemptReport, problems: list[Problem], notes: list[
 _AGREEMENT: Final = (
     ("steps done", lambda r: (r.first_step, r.last_step, r.steps_done)),
     ("retry steps", lambda r: [x["step"] for x in r.retries]),
+    # Each rank skips a micro-batch whose loss is None on any rank (loss_none_agreement=True) or
+    # returns None on every rank at once; a rank that skips alone breaks DDP's gradient all-reduce.
+    ("loss=None micro-batches", lambda r: r.loss_none_at),
     ("checkpoint steps", lambda r: r.checkpoint_steps),
     ("restored step", lambda r: r.resumed_from_step),
     ("agreed signal step", lambda r: r.agreed["step"] if r.agreed else None),
