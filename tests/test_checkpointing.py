@@ -127,6 +127,9 @@ def test_checkpoints_written_through_the_page_cache_resume_the_same(tmp_path: Pa
     b = CheckpointStore.load(tmp_path / "b" / "checkpoints" / "8")["model"]["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(x, y) for x, y in zip(direct, params(cached), strict=True))
+    supported = _direct_io_works(tmp_path)
+    assert [e["direct_io"] for e in events(tmp_path / "a", "checkpoint_saved")] == [supported, supported]
+    assert [e["direct_io"] for e in events(tmp_path / "b", "checkpoint_saved")] == [False, False]
     with pytest.raises(TypeError, match="CheckpointingHook direct_io must be True or False; got 'yes'"):
         CheckpointingHook(interval=1, direct_io="yes")  # type: ignore[arg-type]
 

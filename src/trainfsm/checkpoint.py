@@ -280,6 +280,11 @@ class _DurableWriter:
         if self._direct_fd not in (-1, self._fd):
             os.close(self._direct_fd)
 
+    @property
+    def direct(self) -> bool:
+        """Whether the file is (still) written past the page cache."""
+        return self._direct
+
     def flush(self) -> None:
         return None
 
@@ -381,6 +386,10 @@ class CheckpointStore:
         self._hashers: ThreadPoolExecutor | None = None
         self._staging: _Staging | None = None
         self._saving = threading.Lock()  # one save at a time: they share the staging buffers
+        #: Whether every file of the last save was written past the page cache (O_DIRECT); False
+        #: when ``direct_io=False`` or the file system refused it (the ``checkpoint_saved`` event
+        #: says which). The shards of a sharded save are written by DCP, through the page cache.
+        self.wrote_directly = False
         # Pointers to move with a later save (point_when_saved): pointer -> first step it may name.
         # Registered on the training thread, applied on the one that saves (an async writer).
         self._due: dict[str, int] = {}
@@ -447,6 +456,7 @@ class CheckpointStore:
             self._staging = _Staging()
         files: dict[str, dict[str, Any]] = {}
         total = 0
+        direct = True
         for stem, obj in parts.items():
             writer = _DurableWriter(tmp / f"{stem}.pt", self._io, self._hashers, self._staging, direct=self.direct_io)
             try:
@@ -456,6 +466,7 @@ class CheckpointStore:
                 writer.abort()
                 raise
             total += writer.bytes
+            direct = direct and writer.direct
         for relative, entry in (written or {}).items():
             file = tmp / relative
             size = file.stat().st_size if file.is_file() else None
@@ -500,6 +511,7 @@ class CheckpointStore:
                 del self._due[pointer]
         for pointer in due:  # before the caller prunes: the old target stays protected until now
             self.point(pointer, name)
+        self.wrote_directly = direct
         return Checkpoint(step, target, keep), total + len(manifest_bytes), checksum
 
     def point(self, pointer: str, name: str) -> None:

@@ -420,7 +420,10 @@ class CheckpointingHook(BaseHook):
         started = time.perf_counter()
         checkpoint, size, checksum = store.save(step, parts, keep=keep, **sharded)
         seconds = time.perf_counter() - started
-        return _Saved(checkpoint.path, checkpoint.kept, size, checksum, seconds, store.prune(self.keep_previous))
+        direct = store.wrote_directly
+        return _Saved(
+            checkpoint.path, checkpoint.kept, size, checksum, seconds, store.prune(self.keep_previous), direct
+        )
 
     def _log_saved(self, trainer: BaseTrainer, saved: _Saved, blocked: float | None, world: int | None = None) -> None:
         """``world``: the world size that wrote a sharded checkpoint (``bytes`` counts every rank's files)."""
@@ -434,6 +437,7 @@ class CheckpointingHook(BaseHook):
             kept=saved.kept,
             asynchronous=blocked is not None,
             sharded=world is not None,
+            direct_io=saved.direct_io,
             **({"blocked_seconds": round(blocked, 6)} if blocked is not None else {}),
             **({"world_size": world} if world is not None else {}),
         )
@@ -493,6 +497,7 @@ class _Saved(NamedTuple):
     checksum: str
     seconds: float
     pruned: list[Checkpoint]
+    direct_io: bool  # every file the store wrote went past the page cache (O_DIRECT)
 
 
 def _stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
