@@ -23,8 +23,9 @@ backend (gloo, or ``"cpu:gloo,cuda:nccl"``), else in a gloo group that the first
 (``host_group``). Through NCCL the flag would be copied to the GPU and read back with a
 ``.item()`` that waits for every kernel queued so far: a device sync between each forward and its
 backward. Through gloo it costs one small-message round trip per micro-batch, which also lines the
-ranks up (they meet in DDP's gradient all-reduce anyway); ``benchmarks/ddp_overhead.py`` measures
-it. A single-process run creates no agreement and pays nothing.
+ranks up (they meet in DDP's gradient all-reduce anyway): on the small case of
+``benchmarks/ddp_overhead.py`` (2 ms steps, 2 ranks on 2 shared cores) that was 1.3-1.6x, which is
+why it is opt-in. A single-process run creates no agreement and pays nothing.
 
 Collectives inside the wrapped model's forward run before the agreement: DDP rebuilds its buckets
 in its second forward and broadcasts buffers (BatchNorm's statistics) in every forward; FSDP

@@ -150,8 +150,7 @@ class _Staging:
     kernel to find fresh pages for it, neither here nor in the page cache."""
 
     def __init__(self) -> None:
-        self._maps = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
-        self.views = [memoryview(m) for m in self._maps]
+        self.views = [memoryview(mmap.mmap(-1, BUFFER_BYTES)) for _ in range(BUFFERS)]  # a view keeps its map
         zeros = bytes(BUFFER_BYTES)
         for view in self.views:
             view[:] = zeros
@@ -185,8 +184,8 @@ class _DurableWriter:
       is busy from the first 4 MiB on; a checkpoint also never pushes the training data out of the page cache.
       Where ``O_DIRECT`` is refused (at ``open`` or at a write), the same buffers are written
       through the page cache instead, and ``finish`` fsyncs them;
-    - each ``CHUNK`` of a buffer is hashed by the store's two hashing threads (hashlib releases the
-      GIL), and the manifest lists one sha256 per chunk;
+    - each buffer is one ``CHUNK_BYTES`` chunk of the file, hashed by one of the store's two hashing
+      threads (hashlib releases the GIL); the manifest lists one sha256 per chunk;
     - ``write`` copies the bytes before it returns, so torch may free or reuse what it passed
       (device tensors reach it through temporary host buffers);
     - a buffer is reused only when its write and its hashes are done; an error in either surfaces
@@ -194,8 +193,6 @@ class _DurableWriter:
 
     The last buffer is padded to ``ALIGN`` bytes for ``O_DIRECT`` and the file cut back to its size.
     """
-
-    CHUNK: Final = CHUNK_BYTES
 
     def __init__(
         self, path: Path, io: ThreadPoolExecutor, hashers: ThreadPoolExecutor, staging: _Staging, *, direct: bool
@@ -235,10 +232,9 @@ class _DurableWriter:
         """Hash and write the current buffer in the background, then move on to the next one."""
         index, length = self._current, self._filled
         buffer = self._buffers[index]
-        tasks: list[Future[Any]] = []
-        for start in range(0, length, self.CHUNK):
-            tasks.append(self._hashers.submit(_sha256_hex, buffer[start : min(start + self.CHUNK, length)]))
-        self._sums.extend(tasks)
+        chunk_sum = self._hashers.submit(_sha256_hex, buffer[:length])  # a buffer is one chunk
+        self._sums.append(chunk_sum)
+        tasks: list[Future[Any]] = [chunk_sum]
         end = -(-length // ALIGN) * ALIGN if self._direct else length
         if end > length:
             buffer[length:end] = bytes(end - length)
@@ -290,7 +286,7 @@ class _DurableWriter:
 
     def finish(self) -> dict[str, Any]:
         """Write the rest, wait for every write and hash, fsync, close; returns the manifest entry."""
-        if self._filled:
+        if self._filled or not self._sums:  # an empty file still has one chunk: the sum of no bytes
             self._send()
         for index in range(len(self._buffers)):
             self._settle(index)
@@ -298,8 +294,8 @@ class _DurableWriter:
             os.ftruncate(self._fd, self.bytes)
         os.fsync(self._fd)
         self._close()
-        sums = [task.result() for task in self._sums] or [hashlib.sha256(b"").hexdigest()]
-        return {"bytes": self.bytes, "chunk_bytes": self.CHUNK, "sha256_chunks": sums}
+        sums = [task.result() for task in self._sums]
+        return {"bytes": self.bytes, "chunk_bytes": CHUNK_BYTES, "sha256_chunks": sums}
 
     def abort(self) -> None:
         for tasks in self._busy:

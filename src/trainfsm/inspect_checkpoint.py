@@ -16,6 +16,7 @@ The path may name a checkpoint directory (``checkpoints/1000``), a store (``chec
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -150,8 +151,8 @@ def _render_sharded(entries: dict[str, Any], world_size: Any) -> list[str]:
     lines = [f"sharded (torch.distributed.checkpoint), written by {ranks}: model and optimizer"]
     model = {k.removeprefix("model."): v for k, v in entries.items() if k.startswith("model.")}
     tensors = {k: v for k, v in model.items() if getattr(v, "size", None) is not None}
-    count = sum(_numel(v.size) for v in tensors.values())
-    size = sum(_numel(v.size) * v.properties.dtype.itemsize for v in tensors.values())
+    count = sum(math.prod(v.size) for v in tensors.values())
+    size = sum(math.prod(v.size) * v.properties.dtype.itemsize for v in tensors.values())
     lines.append(f"model (sharded/): {len(model)} entries, {count:,} values, {_size(size)}")
     width = max((len(name) for name in model), default=0)
     for name, entry in model.items():
@@ -168,13 +169,6 @@ def _entry(entry: Any) -> str:
         return "bytes"
     shape = "(" + ", ".join(map(str, size)) + ("," if len(size) == 1 else "") + ")"
     return f"{shape:<16} {str(entry.properties.dtype).removeprefix('torch.')}"
-
-
-def _numel(size: Any) -> int:
-    count = 1
-    for dim in size:
-        count *= int(dim)
-    return count
 
 
 def _render_training_state(state: dict[str, Any]) -> list[str]:

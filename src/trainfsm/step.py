@@ -166,11 +166,10 @@ class Stepper:
         else:
             out = forward(batch)
         loss, records = _check_forward_result(out)
-        # A wait for every rank (a host collective, not a device sync): no rank may start the
-        # backward of a micro-batch that another rank skips, or DDP's all-reduces pair up wrongly.
-        if self.agreement is not None and self.agreement.skip(loss is None):
-            return None, records
-        if loss is None:
+        # With an agreement, a wait for every rank (a host collective, not a device sync): no rank
+        # may start the backward of a micro-batch that another rank skips, or DDP's all-reduces
+        # pair up wrongly. It says skip whenever this rank's loss is None.
+        if (self.agreement is not None and self.agreement.skip(loss is None)) or loss is None:
             return None, records
         scaled = loss * self.inv_accumulation if self.accumulation != 1 else loss
         if self.scaler_enabled:

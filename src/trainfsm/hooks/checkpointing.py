@@ -420,10 +420,8 @@ class CheckpointingHook(BaseHook):
         started = time.perf_counter()
         checkpoint, size, checksum = store.save(step, parts, keep=keep, **sharded)
         seconds = time.perf_counter() - started
-        direct = store.wrote_directly
-        return _Saved(
-            checkpoint.path, checkpoint.kept, size, checksum, seconds, store.prune(self.keep_previous), direct
-        )
+        pruned = store.prune(self.keep_previous)
+        return _Saved(checkpoint.path, checkpoint.kept, size, checksum, seconds, pruned, store.wrote_directly)
 
     def _log_saved(self, trainer: BaseTrainer, saved: _Saved, blocked: float | None, world: int | None = None) -> None:
         """``world``: the world size that wrote a sharded checkpoint (``bytes`` counts every rank's files)."""
