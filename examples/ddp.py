@@ -82,12 +82,18 @@ class DDPTrainer(BaseTrainer):
         return nn.functional.cross_entropy(logits, y), {"accuracy": (logits.argmax(1) == y).float().mean()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workspace", type=Path, default=Path("runs/ddp"))
+def arguments(description: str | None, workspace: str) -> argparse.ArgumentParser:
+    """The options every distributed example here takes (``examples/fsdp_sharded.py`` too)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workspace", type=Path, default=Path(workspace))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--interval", type=int, default=50, help="checkpoint every this many steps")
     parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, seconds")
+    return parser
+
+
+def main() -> None:
+    parser = arguments(__doc__, "runs/ddp")
     parser.add_argument("--step-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--loss-none-agreement", action="store_true", help="ranks agree on loss=None before every backward"

@@ -19,15 +19,13 @@ and the checkpoint hook differ.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
-from ddp import DDPTrainer  # examples/ddp.py: this directory is on sys.path when a script here runs
+from ddp import DDPTrainer, arguments  # examples/ddp.py: this directory is on sys.path when a script here runs
 from torch import nn
 
 from trainfsm import CheckpointingHook
@@ -56,12 +54,7 @@ class FSDPTrainer(DDPTrainer):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workspace", type=Path, default=Path("runs/fsdp"))
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--interval", type=int, default=50, help="checkpoint every this many steps")
-    parser.add_argument("--timeout", type=float, default=60.0, help="process-group timeout, seconds")
-    args = parser.parse_args()
+    args = arguments(__doc__, "runs/fsdp").parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     layout = init_distributed(timeout=timedelta(seconds=args.timeout))  # None outside torchrun/srun
