@@ -18,8 +18,11 @@ from trainfsm.hooks import (
     WandbHook,
 )
 from trainfsm.machine import STATES, TRANSITIONS
+from trainfsm.torch_workarounds import import_collectives_before_any_group
 from trainfsm.trainer import BaseTrainer, LossNoneWarning
 from trainfsm.utils import key_average, map_nested_tensor, unwrap
+
+import_collectives_before_any_group()  # else a destroyed group can outlive its destroy (see there)
 
 __version__ = "0.1.0"
 
