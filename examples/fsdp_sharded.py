@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/fsdp_sharded.py --workspace runs/fsdp --steps 200
     torchrun --nproc-per-node 2 examples/fsdp_sharded.py --workspace runs/fsdp --steps 300  # resumes
     python examples/fsdp_sharded.py --workspace runs/fsdp --steps 400    # one process: DCP reshards
+    torchrun --nproc-per-node 2 examples/fsdp_sharded.py --async-save   # saves in the background
 
 With FSDP's default ``state_dict_options`` the model and optimizer state are split over the ranks,
 so ``CheckpointingHook`` (``sharded="auto"``, the default) writes a sharded checkpoint: each rank
@@ -35,8 +36,9 @@ from trainfsm.distributed import DistEnv, cleanup_distributed, init_distributed,
 class FSDPTrainer(DDPTrainer):
     """``examples/ddp.py``'s trainer (data, optimizer, forward); only the wrapping and the hook differ."""
 
-    def __init__(self, layout: DistEnv | None, interval: int, **kwargs: Any) -> None:
+    def __init__(self, layout: DistEnv | None, interval: int, async_save: bool = False, **kwargs: Any) -> None:
         super().__init__(layout, interval, step_seconds=0.0, **kwargs)
+        self.async_save = async_save
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(0)
@@ -50,16 +52,21 @@ class FSDPTrainer(DDPTrainer):
 
     def build_hooks(self) -> list[Any]:
         # sharded="auto": sharded checkpoints for the split FSDP state, a full one in one process.
-        return [CheckpointingHook(interval=self.interval, keep_previous=1)]
+        # async_save: each rank writes its shards on a background thread while training goes on.
+        return [CheckpointingHook(interval=self.interval, keep_previous=1, async_save=self.async_save)]
 
 
 def main() -> None:
-    args = arguments(__doc__, "runs/fsdp").parse_args()
+    parser = arguments(__doc__, "runs/fsdp")
+    parser.add_argument("--async-save", action="store_true", help="write each checkpoint in the background")
+    args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     layout = init_distributed(timeout=timedelta(seconds=args.timeout))  # None outside torchrun/srun
     device = torch.device("cuda", layout.local_rank if layout else 0) if torch.cuda.is_available() else None
-    trainer = FSDPTrainer(layout, args.interval, max_steps=args.steps, workspace=args.workspace, device=device)
+    trainer = FSDPTrainer(
+        layout, args.interval, args.async_save, max_steps=args.steps, workspace=args.workspace, device=device
+    )
     try:
         trainer.train()
         if layout is not None:

@@ -4,8 +4,9 @@ On one process without a process group (``sharded=True``): the layout, the manif
 exact resume, what ``CheckpointStore.load`` and ``trainfsm inspect`` make of it, and the DCP
 files that would run code. On 2 real gloo ranks with FSDP2 ``fully_shard`` (``sharded="auto"``):
 every rank's files in one manifest, exact resume, a corrupted shard skipped alike on every
-rank, a rank killed in the middle of a save, resharding to one process, ``sharded=False``; and a
-full DDP checkpoint resumed on another world size (2 -> 1 and 1 -> 2).
+rank, a rank killed in the middle of a save, resharding to one process, ``sharded=False``,
+``async_save`` (exact resume; a background failure raised on every rank alike); and a full DDP
+checkpoint resumed on another world size (2 -> 1 and 1 -> 2).
 """
 
 from __future__ import annotations
@@ -48,11 +49,6 @@ def test_sharded_must_be_true_false_or_auto(value: Any) -> None:
         CheckpointingHook(interval=1, sharded=value)
 
 
-def test_sharded_true_with_async_save_is_refused_naming_both() -> None:
-    with pytest.raises(ValueError, match=r"sharded=True\) cannot be combined with async_save=True.*async_save=False"):
-        CheckpointingHook(interval=1, sharded=True, async_save=True)
-
-
 def test_auto_keeps_full_checkpoints_for_a_model_that_is_not_split(tmp_path: Path) -> None:
     run(tmp_path, 4)  # sharded="auto" by default
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "4").iterdir()) == [
@@ -89,6 +85,21 @@ def test_sharded_resume_on_one_process_is_exact(tmp_path: Path) -> None:
     assert equal(params(straight), params(resumed))
     [loaded] = trail(tmp_path / "resumed", "checkpoint_loaded")
     assert (loaded["from_step"], loaded["sharded"], loaded["saved_world_size"]) == (4, True, 1)
+
+
+def test_async_sharded_saves_write_the_same_files_in_the_background_and_resume_exactly(tmp_path: Path) -> None:
+    straight = run(tmp_path / "straight", 8, sharded=True)
+    run(tmp_path / "resumed", 4, sharded=True, async_save=True)
+    resumed = run(tmp_path / "resumed", 8, sharded=True, async_save=True)
+    assert equal(params(straight), params(resumed))
+    saved = trail(tmp_path / "resumed", "checkpoint_saved")
+    assert [(e["saved_step"], e["asynchronous"], e["sharded"]) for e in saved] == [(4, True, True), (8, True, True)]
+    assert all(e["blocked_seconds"] >= 0 for e in saved)
+    checkpoint = tmp_path / "resumed" / "checkpoints" / "8"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["sharded/.metadata", "sharded/__0_0.distcp", "training_state.pt"]
+    for name, entry in manifest["files"].items():
+        assert entry["sha256_chunks"] == sha256_chunks(checkpoint / name)
 
 
 def test_a_sharded_checkpoint_loads_whatever_sharded_says_now(tmp_path: Path) -> None:
@@ -206,6 +217,50 @@ def test_sharded_resume_on_the_same_world_size_is_exact(runs: tuple[Path, Any]) 
 
 
 @distributed
+def test_async_sharded_saves_resume_exactly_on_the_same_world_size(runs: tuple[Path, Any]) -> None:
+    """Each rank copies its shards to CPU and writes them on its writer thread (DTensors over CPU
+    copies, collectives on the hook's own gloo group); the result resumes like a synchronous save."""
+    out, results = runs
+    for rank, result in enumerate(results["fsdp"]):
+        assert result["async_first"]["error"] is None and result["async_resumed"]["error"] is None
+        assert equal(result["async_resumed"]["restored"], result["async_first"]["params"])
+        assert equal(result["async_resumed"]["params"], result["uninterrupted"]["params"]), f"rank {rank}"
+    saved = [e for e in events(out / "async", 0) if e["event"] == "checkpoint_saved"]
+    assert [(e["saved_step"], e["asynchronous"], e["sharded"], e["world_size"]) for e in saved] == [
+        (3, True, True, WORLD), (6, True, True, WORLD),
+    ]  # fmt: skip
+    checkpoint = out / "async" / "checkpoints" / "6"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == [
+        "sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "training_state.pt",
+    ]  # fmt: skip
+    for name, entry in manifest["files"].items():
+        assert entry["sha256_chunks"] == sha256_chunks(checkpoint / name)
+    assert summary(events(out / "async", 0)) == summary(events(out / "async", 1))
+    assert audit_problems(out / "async") == []
+
+
+@distributed
+def test_a_failed_async_sharded_save_raises_on_every_rank_at_the_next_checkpoint(runs: tuple[Path, Any]) -> None:
+    """Rank 1's step-4 files fail in the background: both ranks log checkpoint_failed once they see
+    it (step 5 or 6, as fast as the writer was) and raise the same error at the checkpoint of step 6,
+    not each at the step it happened to look; step 2 stays the newest checkpoint."""
+    out, results = runs
+    errors = {result["async_failed"]["error"] for result in results["fsdp"]}
+    [error] = errors
+    assert error.startswith("CheckpointError: asynchronous checkpoint save failed: CheckpointError: sharded checkpoint")
+    assert "at step 4 was not saved (rank 1: OSError: [Errno 5] Input/output error" in error
+    assert [result["async_failed"]["step"] for result in results["fsdp"]] == [6, 6]
+    root = out / "async_failed" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["2", "latest"]
+    assert (root / "latest").resolve().name == "2"
+    for rank in range(WORLD):
+        trail_events = events(out / "async_failed", rank)
+        [failed] = [e for e in trail_events if e["event"] == "checkpoint_failed"]
+        assert failed["step"] in (5, 6) and "rank 1: OSError" in failed["message"]
+
+
+@distributed
 def test_a_corrupted_shard_is_skipped_alike_on_every_rank(runs: tuple[Path, Any]) -> None:
     """Rank 1's shard of step 4 is corrupted: rank 1 finds it, and rank 0 skips step 4 as well."""
     out, results = runs
@@ -274,13 +329,16 @@ def test_a_full_checkpoint_of_1_process_resumes_on_2_ddp_ranks(runs: tuple[Path,
 
 
 @distributed
+@pytest.mark.parametrize("mode", ["", "_async"])
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_rank_killed_in_the_middle_of_a_sharded_save_leaves_no_checkpoint_that_loads(
-    tmp_path: Path, killed: int
+    tmp_path: Path, killed: int, mode: str
 ) -> None:
-    """Rank ``killed`` dies after the shards of step 4 are written, before the manifest. Step 4
-    never becomes a checkpoint; the next launch removes what is left and resumes from step 2."""
-    outcome = run_worker("kill", tmp_path, 60, "--action", f"die_rank{killed}", "--pg-timeout", "10", worker=WORKER)
+    """Rank ``killed`` dies after the shards of step 4 are written, before the manifest (on the
+    writer thread with ``_async``). Step 4 never becomes a checkpoint; the next launch removes what
+    is left and resumes from step 2."""
+    action = f"die_rank{killed}{mode}"
+    outcome = run_worker("kill", tmp_path, 60, "--action", action, "--pg-timeout", "10", worker=WORKER)
     assert outcome.codes[killed] == 9 and outcome.codes[1 - killed] != 0 and not outcome.hung, outcome.describe()
     root = tmp_path / "kill" / "checkpoints"
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["2", "latest"]
@@ -310,8 +368,8 @@ def test_fsdp_sharded_example_saves_sharded_resumes_and_reshards_to_one_process(
     torchrun = Path(sys.executable).with_name("torchrun")  # the console script, as a user runs it
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
     two_ranks = [*launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port"]
-    for steps in (20, 30):
-        code, output = run_command([*two_ranks, str(free_port()), *example, "--steps", str(steps)], timeout=120)
+    for steps, extra in ((20, []), (30, ["--async-save"])):  # the resumed launch saves in the background
+        code, output = run_command([*two_ranks, str(free_port()), *example, "--steps", str(steps), *extra], timeout=120)
         assert code == 0, output[-4000:]
     manifest = json.loads((workspace / "checkpoints" / "30" / "manifest.json").read_text())
     assert (manifest["sharded"], manifest["world_size"]) == (True, WORLD)
@@ -321,6 +379,10 @@ def test_fsdp_sharded_example_saves_sharded_resumes_and_reshards_to_one_process(
     for rank in range(WORLD):
         loaded = [(e["attempt"], e["from_step"]) for e in events(workspace, rank) if e["event"] == "checkpoint_loaded"]
         assert loaded == ([(1, 20), (2, 30)] if rank == 0 else [(1, 20)])
-    [last] = [e for e in events(workspace, 0) if e["event"] == "checkpoint_saved" and e["saved_step"] == 40]
+    saved = {e["saved_step"]: e for e in events(workspace, 0) if e["event"] == "checkpoint_saved"}
+    assert [(step, saved[step]["asynchronous"], saved[step]["sharded"]) for step in (20, 30)] == [
+        (20, False, True), (30, True, True),
+    ]  # fmt: skip
+    last = saved[40]
     assert last["sharded"] is False  # one process: the model is whole, saved as model.pt
     assert [e["reason"] for e in events(workspace, 0) if e["event"] == "exit"] == ["completed"] * 3

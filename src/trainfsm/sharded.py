@@ -88,15 +88,16 @@ class _RecordingWriter(FileSystemWriter):
         return future
 
 
-def save(state: dict[str, Any], directory: Path, rank: int) -> list[str]:
-    """Write this rank's part of ``state`` into ``directory`` (collective); the files written, relative
-    to ``directory``, sorted (rank 0's include ``.metadata``). A failure on any rank raises on all."""
+def save(state: dict[str, Any], directory: Path, rank: int, group: Any = None) -> list[str]:
+    """Write this rank's part of ``state`` into ``directory`` (collective over ``group``, None: the
+    default group); the files written, relative to ``directory``, sorted (rank 0's include
+    ``.metadata``). A failure on any rank raises on all."""
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     writer = _RecordingWriter(directory)
     try:
         with _quiet_without_process_group():
-            dcp_save(state, storage_writer=writer, no_dist=_no_dist())
+            dcp_save(state, storage_writer=writer, process_group=group, no_dist=_no_dist())
     except Exception as exc:  # DCP gathers every rank's failure and raises the same on each
         raise CheckpointError(f"sharded save into {directory} failed: {_describe(exc)}") from exc
     return [*([METADATA] if rank == 0 else []), *writer.written]

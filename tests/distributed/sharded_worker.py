@@ -8,10 +8,12 @@ to ``DIR/SCENARIO.rank{R}.pt`` and its runs' workspaces (checkpoints, audit trai
 - ``world1_before`` (1 process): a full checkpoint of a plain model, for a 2-rank DDP resume.
 - ``fsdp`` (2 ranks): FSDP2 runs with sharded checkpoints: uninterrupted, saved then resumed,
   a corrupted shard, ``sharded=False``, a stateless optimizer; DDP saving a full checkpoint; DDP
-  resuming the 1-process checkpoint.
+  resuming the 1-process checkpoint; ``async_save``: saved then resumed, and a background save
+  that fails on rank 1.
 - ``world1_after`` (1 process): resumes the 2-rank DDP full checkpoint and the 2-rank sharded one.
 - ``kill`` (2 ranks): sharded saves at steps 2 and 4; ``--action die_rankR`` kills rank R with
-  ``os._exit`` in the middle of the step-4 save, after the shards are written, before the manifest.
+  ``os._exit`` in the middle of the step-4 save, after the shards are written, before the manifest
+  (``die_rankR_async``: the same with ``async_save``, so on the writer thread).
 """
 
 from __future__ import annotations
@@ -86,7 +88,32 @@ def scenario_fsdp(out: Path, rank: int) -> dict[str, Any]:
 
     result["ddp2to1"] = train(out / "ddp2to1", lambda: ddp(mlp()), 3)  # full: DDP's state is not split
     result["ddp1to2"] = train(out / "ddp1to2", lambda: ddp(mlp(1)), 5)
+
+    # async_save: each rank writes its shards in the background; the same run as "first"/"resumed".
+    result["async_first"] = train(out / "async", fsdp_mlp, 3, async_save=True)
+    result["async_resumed"] = train(out / "async", lambda: fsdp_mlp(1), 6, async_save=True)
+    result["async_failed"] = fail_rank1_step4_in_the_background(out / "async_failed")
     return result
+
+
+def fail_rank1_step4_in_the_background(workspace: Path) -> dict[str, Any]:
+    """Saves at 2, 4, 6 in the background; rank 1 cannot read back its step-4 shard."""
+    import torch.distributed as dist
+
+    import trainfsm.hooks.checkpointing as checkpointing
+
+    describe = checkpointing.describe_file
+
+    def unreadable_at_step_4(path: Path) -> dict[str, Any]:
+        if dist.get_rank() == 1 and ".tmp-4-" in str(path):
+            raise OSError(5, "Input/output error", str(path))
+        return describe(path)
+
+    checkpointing.describe_file = unreadable_at_step_4  # type: ignore[assignment]
+    try:
+        return train(workspace, fsdp_mlp, 6, interval=2, async_save=True)
+    finally:
+        checkpointing.describe_file = describe  # type: ignore[assignment]
 
 
 def scenario_world1_after(out: Path, rank: int) -> dict[str, Any]:
@@ -98,7 +125,8 @@ def scenario_world1_after(out: Path, rank: int) -> dict[str, Any]:
 
 
 def scenario_kill(out: Path, rank: int, action: str) -> dict[str, Any]:
-    if action == f"die_rank{rank}":
+    """``action``: ``die_rank{R}`` or ``die_rank{R}_async`` (the saves run in the background)."""
+    if action.removesuffix("_async") == f"die_rank{rank}":
         import trainfsm.hooks.checkpointing as checkpointing
 
         describe = checkpointing.describe_file
@@ -109,7 +137,8 @@ def scenario_kill(out: Path, rank: int, action: str) -> dict[str, Any]:
             return describe(path)
 
         checkpointing.describe_file = die_in_step_4_save  # type: ignore[assignment]
-    return {"run": train(out / "kill", fsdp_mlp, 4, interval=2, keep_previous=1)}
+    asynchronous = action.endswith("_async")
+    return {"run": train(out / "kill", fsdp_mlp, 4, interval=2, keep_previous=1, async_save=asynchronous)}
 
 
 SCENARIOS: dict[str, Scenario] = {

@@ -50,7 +50,10 @@ class CheckpointingHook(BaseHook):
     one temporary directory rank 0 made; the checkpoint is complete (manifest, rename, ``latest``)
     only once every rank's files are durable, so the ranks must share one filesystem. Loading
     follows the checkpoint, whatever ``sharded`` says; a sharded one loads on any world size (DCP
-    reshards). Sharded saves are synchronous: ``async_save=True`` is refused with them.
+    reshards). With ``async_save`` every rank copies its shards to CPU memory and writes them on its
+    background thread, over a gloo process group the hook makes for that at its first save (so a
+    sharded ``async_save`` needs every rank to save at the same steps, as it does anyway); a
+    failed sharded save raises on every rank at the next checkpoint or at EXIT.
 
     ``direct_io`` (default True) writes checkpoint files past the page cache (``O_DIRECT``) where the
     file system allows it, and through it elsewhere; ``False`` always goes through the page cache,
@@ -103,12 +106,6 @@ class CheckpointingHook(BaseHook):
                 f"CheckpointingHook sharded must be True, False or 'auto' (sharded exactly when the model "
                 f"state is split over ranks); got {sharded!r}."
             )
-        if sharded is True and async_save:
-            raise ValueError(
-                "CheckpointingHook(sharded=True) cannot be combined with async_save=True: every rank writes "
-                "its shards of a sharded checkpoint synchronously. Pass async_save=False, or sharded=False "
-                "(with full state_dict_options) to write the whole state from rank 0 in the background."
-            )
         self.sharded = sharded
         if not isinstance(direct_io, bool):
             raise TypeError(f"CheckpointingHook direct_io must be True or False; got {direct_io!r}.")
@@ -118,7 +115,12 @@ class CheckpointingHook(BaseHook):
         self.loaded_from: Path | None = None
         self._on_disk: int | None = None  # the step last saved or loaded: never written twice
         self._writer: ThreadPoolExecutor | None = None
-        self._inflight: Future[_Saved] | None = None
+        # The save in flight: rank 0's _Saved (None on the other ranks of a sharded save) and, for a
+        # sharded one, the world size that wrote it.
+        self._inflight: Future[tuple[_Saved | None, int | None]] | None = None
+        self._group: Any = None  # the process group of background sharded saves (made at the first)
+        self._inflight_sharded = False
+        self._failure_reported = False
         self._staging: threading.Event | None = None
         self._blocked = 0.0
 
@@ -169,14 +171,6 @@ class CheckpointingHook(BaseHook):
             if split:
                 raise _refusal(next(key for key, value in current.items() if is_sharded(value)))
             return False
-        if (self.sharded is True or split) and self.async_save:
-            raise CheckpointError(
-                "CheckpointingHook(async_save=True) cannot save this model: its state is split over ranks "
-                "(FSDP's default state_dict_options), so each rank writes its shards, and sharded checkpoints "
-                "are written synchronously. Pass async_save=False, or the trainer state_dict_options="
-                "StateDictOptions(full_state_dict=True, cpu_offload=True) to write the whole state from rank 0 "
-                "in the background."
-            )
         return self.sharded is True or split
 
     def _verified(self, trainer: BaseTrainer, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -284,21 +278,16 @@ class CheckpointingHook(BaseHook):
             step, keep = trainer.step, self._kept(trainer.step)
             if self.async_save:
                 staged, copies = _stage(parts, trainer)
-                self._blocked = time.perf_counter() - started
-                self._staging = threading.Event()
-                if self._writer is None:
-                    self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-async-save")
-                self._inflight = self._writer.submit(self._copy_then_write, copies, self._staging, step, staged, keep)
+                self._submit(started, copies, self._copy_then_write, step, staged, keep, sharded=False)
             else:
                 self._log_saved(trainer, self._write(step, parts, keep), blocked=None)
         _barrier(trainer.world_size)  # no rank runs ahead of a checkpoint that is not durable yet
 
     def _save_sharded(self, trainer: BaseTrainer) -> None:
-        """Every rank writes its shards into rank 0's temporary directory; rank 0 writes the rest and,
-        once every rank's files are durable and listed, the manifest; then every rank learns the
-        outcome. Three small collectives besides DCP's own: the directory and per-rank state, the
-        files' entries, the outcome. Any failure raises the same CheckpointError on every rank and
-        leaves the previous complete checkpoint in place."""
+        """Rank 0 makes the temporary directory and every rank learns it, with every rank's random
+        state and data position (one collective); then ``_write_sharded``, here or, with
+        ``async_save``, on the writer thread from a CPU copy of this rank's shards, over a process
+        group of its own (``_background_group``) so that its collectives never meet the training's."""
         from trainfsm import sharded
 
         store = self._opened_store()
@@ -327,59 +316,93 @@ class CheckpointingHook(BaseHook):
                 store.discard(tmp)
             raise
         tmp = Path(shared[0]["tmp"])
-        try:
-            self._write_sharded(trainer, store, step, keep, state, shared, tmp, started)
-        except BaseException:
-            if rank == 0:  # e.g. a peer died: this save can never complete; leave nothing behind
-                store.discard(tmp)
-            raise
+        job = _ShardedSave(store, rank, world, step, keep, tmp, [entry["state"] for entry in shared])
+        if not self.async_save:
+            saved = self._write_sharded(job, state, started)
+            if saved is not None:
+                self._log_saved(trainer, saved, blocked=None, world=world)
+            return
+        if self._group is None and _distributed():
+            self._group = _background_group()  # collective: every rank is here, at the same save
+        staged, copies = _stage(state, trainer)
+        self._submit(started, copies, self._copy_then_write_sharded, job, staged, sharded=True)
+
+    def _submit(
+        self, started: float, copies: list[tuple[torch.Tensor, torch.Tensor]], work: Any, *args: Any, sharded: bool
+    ) -> None:
+        """Start ``work(copies, staged_event, *args)`` on the writer thread; the loop was blocked
+        since ``started``, and is blocked again before the next optimizer step until the copies are made."""
+        self._blocked = time.perf_counter() - started
+        self._staging = threading.Event()
+        self._inflight_sharded = sharded
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-async-save")
+        self._inflight = self._writer.submit(work, copies, self._staging, *args)
+
+    def _copy_then_write_sharded(
+        self,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        staged_event: threading.Event,
+        job: _ShardedSave,
+        state: dict[str, Any],
+    ) -> tuple[_Saved | None, int | None]:
+        _copy(copies, staged_event)
+        return self._write_sharded(job, state, time.perf_counter(), self._group), job.world
 
     def _write_sharded(
-        self,
-        trainer: BaseTrainer,
-        store: CheckpointStore,
-        step: int,
-        keep: bool,
-        state: dict[str, Any],
-        shared: list[dict[str, Any]],
-        tmp: Path,
-        started: float,
-    ) -> None:
+        self, job: _ShardedSave, state: dict[str, Any], started: float, group: Any = None
+    ) -> _Saved | None:
+        """Every rank writes its shards (DCP) into ``job.tmp``; rank 0 writes the rest and, once every
+        rank's files are durable and listed, the manifest; then every rank learns the outcome. Two
+        collectives over ``group`` besides DCP's own: the files' entries, the outcome. Returns rank 0's
+        ``_Saved`` (None on the other ranks); a failure raises the same CheckpointError on every rank
+        and leaves the previous complete checkpoint in place."""
+        try:
+            return self._write_shards_then_rest(job, state, started, group)
+        except BaseException:
+            if job.rank == 0:  # e.g. a peer died: this save can never complete; leave nothing behind
+                job.store.discard(job.tmp)
+            raise
+
+    def _write_shards_then_rest(
+        self, job: _ShardedSave, state: dict[str, Any], started: float, group: Any
+    ) -> _Saved | None:
         from trainfsm import sharded
 
-        rank, world = trainer.rank, trainer.world_size
+        rank, world, tmp = job.rank, job.world, job.tmp
         directory = tmp / sharded.SUBDIR
         error: str | None = None
         written: dict[str, dict[str, Any]] = {}
         try:
-            for name in sharded.save({"model": state["model"], "optimizer": state["optimizer"]}, directory, rank):
+            model_and_optimizer = {"model": state["model"], "optimizer": state["optimizer"]}
+            for name in sharded.save(model_and_optimizer, directory, rank, group):
                 written[f"{sharded.SUBDIR}/{name}"] = {**describe_file(directory / name), "rank": rank}
         except Exception as exc:  # reported to rank 0 below, so that no rank waits for another
             error = f"{type(exc).__name__}: {exc}"
-        entries = _gather({"files": written, "error": error}, world)
+        entries = _gather({"files": written, "error": error}, world, group)
         outcome: str | None = None
         saved: _Saved | None = None
         if rank == 0:
             errors = [f"rank {r}: {e['error']}" for r, e in enumerate(entries) if e["error"] is not None]
             if errors:
-                store.discard(tmp)
+                job.store.discard(tmp)
                 outcome = "; ".join(errors)
             else:
                 training = {key: state[key] for key in TRAINING_KEYS if key != "optimizer"}  # optimizer: DCP
-                parts = _with_hooks(state, training_state={**training, "ranks": [s["state"] for s in shared]})
+                parts = _with_hooks(state, training_state={**training, "ranks": job.ranks})
                 files = {name: entry for e in entries for name, entry in e["files"].items()}
                 try:
-                    saved = self._write(step, parts, keep, into=tmp, written=files, world_size=world)
+                    saved = self._write(job.step, parts, job.keep, into=tmp, written=files, world_size=world)
                 except Exception as exc:  # store.save removed the directory
                     outcome = f"{type(exc).__name__}: {exc}"
         # The outcome doubles as the barrier: no rank runs ahead of a checkpoint that is not durable.
-        outcome = _from_rank0(outcome, world)
+        outcome = _from_rank0(outcome, world, group)
         if outcome is not None:
             raise CheckpointError(
-                f"sharded checkpoint at step {step} was not saved ({outcome}); the previous complete checkpoint is kept"
+                f"sharded checkpoint at step {job.step} was not saved ({outcome}); the previous complete "
+                f"checkpoint is kept"
             )
-        if saved is not None:
-            self._log_saved(trainer, saved._replace(seconds=time.perf_counter() - started), blocked=None, world=world)
+        return None if saved is None else saved._replace(seconds=time.perf_counter() - started)
 
     def _copy_then_write(
         self,
@@ -388,13 +411,9 @@ class CheckpointingHook(BaseHook):
         step: int,
         parts: dict[str, Any],
         keep: bool,
-    ) -> _Saved:
-        try:
-            for source, target in copies:
-                target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
-        finally:
-            staged_event.set()
-        return self._write(step, parts, keep)
+    ) -> tuple[_Saved | None, int | None]:
+        _copy(copies, staged_event)
+        return self._write(step, parts, keep), None
 
     def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
         """The first in-place update of parameters or optimizer state must wait for the copy."""
@@ -443,19 +462,28 @@ class CheckpointingHook(BaseHook):
             trainer.audit.info("checkpoint_pruned", paths=[str(c.path) for c in saved.pruned])
 
     def _settle(self, trainer: BaseTrainer, wait: bool) -> None:
-        """Report a finished asynchronous save; with ``wait``, wait for it. A failed save raises here."""
-        if self._inflight is None:
-            return
+        """Report a finished asynchronous save; with ``wait``, wait for it. A failed save raises here:
+        a full one at the next step, a sharded one at the next checkpoint or at EXIT. The ranks of
+        a sharded save learn its outcome together but each looks at its own pace, so each would raise
+        at a different step and leave the others waiting in a collective; the checkpoint and EXIT are
+        where every rank is at once. The ``checkpoint_failed`` event comes at the next step either way."""
         future = self._inflight
-        if not wait and not future.done():
+        if future is None or (not wait and not future.done()):
             return
         self._wait_staged()
-        self._inflight = None
         error = future.exception()
-        if error is not None:
+        if error is not None and not self._failure_reported:
             trainer.audit.error("checkpoint_failed", type=type(error).__name__, message=str(error))
+            self._failure_reported = True
+        if error is not None and not wait and self._inflight_sharded:
+            return
+        self._inflight = None
+        self._failure_reported = False
+        if error is not None:
             raise CheckpointError(f"asynchronous checkpoint save failed: {type(error).__name__}: {error}") from error
-        self._log_saved(trainer, future.result(), blocked=self._blocked)
+        saved, world = future.result()
+        if saved is not None:
+            self._log_saved(trainer, saved, blocked=self._blocked, world=world)
 
     def on_before_step(self, trainer: BaseTrainer) -> None:
         if self._inflight is not None:
@@ -469,6 +497,12 @@ class CheckpointingHook(BaseHook):
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
                 self._writer = None
+            if self._group is not None:  # local for gloo; a group kept alive could abort the exit
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group(self._group)
+                self._group = None
             if self.store is not None:
                 self.store.close()
             if trainer.exit_reason != "failed":  # a failing rank may never arrive: don't wait for it
@@ -498,6 +532,43 @@ class _Saved(NamedTuple):
     direct_io: bool  # every file the store wrote went past the page cache (O_DIRECT)
 
 
+class _ShardedSave(NamedTuple):
+    """What the ranks agreed on before a sharded save writes anything."""
+
+    store: CheckpointStore
+    rank: int
+    world: int
+    step: int
+    keep: bool
+    tmp: Path  # rank 0's temporary directory, the same on every rank
+    ranks: list[dict[str, Any]]  # every rank's random state and data position
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _background_group() -> Any:
+    """A gloo group over every rank for the collectives of background sharded saves (DCP's and
+    ours): on the default group they could pair with the training's, which run at the same time on
+    the main thread. Collective: every rank calls it at the same point."""
+    import torch.distributed as dist
+
+    from trainfsm.agreement import group_timeout
+
+    return dist.new_group(backend="gloo", timeout=group_timeout())
+
+
+def _copy(copies: list[tuple[torch.Tensor, torch.Tensor]], staged_event: threading.Event) -> None:
+    try:
+        for source, target in copies:
+            target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
+    finally:
+        staged_event.set()
+
+
 def _stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
     """A private CPU copy of ``parts`` for the background writer, and the copies still to make.
 
@@ -508,24 +579,45 @@ def _stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple
     waits for those copies.
     """
     model = trainer.model
-    parameters = {p.data_ptr() for p in model.parameters()} if model is not None else set()
+    parameters = {_local(p).data_ptr() for p in model.parameters()} if model is not None else set()
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def later(tensor: torch.Tensor) -> torch.Tensor:
-        target = torch.empty_like(tensor, device="cpu")
-        copies.append((tensor.detach(), target))
-        return target
+        local = _local(tensor).detach()
+        target = torch.empty_like(local, device="cpu")
+        copies.append((local, target))
+        return _shaped_like(tensor, target)
 
     def now(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().to("cpu", copy=True)
+        return _shaped_like(tensor, _local(tensor).detach().to("cpu", copy=True))
 
     staged = {
         part: map_nested_tensor(
-            (lambda t: later(t) if t.data_ptr() in parameters else now(t)) if part == "model" else later, value
+            (lambda t: later(t) if _local(t).data_ptr() in parameters else now(t)) if part == "model" else later, value
         )
         for part, value in parts.items()
     }
     return staged, copies
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a shard of a sharded save); any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None and hasattr(tensor, "placements") else tensor
+
+
+def _shaped_like(original: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a CPU copy of ``original``'s part) as what DCP must see: a DTensor with the same
+    mesh, placements and global shape when ``original`` is one, so that it is written as the same
+    shard of the same global tensor."""
+    if not hasattr(original, "placements"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    dtensor: Any = original
+    return DTensor.from_local(
+        local, dtensor.device_mesh, dtensor.placements, run_check=False, shape=dtensor.shape, stride=dtensor.stride()
+    )
 
 
 def _rank_state(trainer: BaseTrainer) -> dict[str, Any]:
@@ -558,14 +650,15 @@ def _check_ranks_in_step(ranks: list[dict[str, Any]], step: int) -> None:
         )
 
 
-def _gather(state: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
-    """Every rank's ``state``, on every rank (one collective per checkpoint)."""
+def _gather(state: dict[str, Any], world_size: int, group: Any = None) -> list[dict[str, Any]]:
+    """Every rank's ``state``, on every rank (one collective per checkpoint; ``group`` None: the
+    default group)."""
     if world_size == 1:
         return [state]
     import torch.distributed as dist
 
     states: list[Any] = [None] * world_size
-    dist.all_gather_object(states, state)
+    dist.all_gather_object(states, state, group=group)
     return states
 
 
@@ -576,14 +669,14 @@ def _barrier(world_size: int) -> None:
         dist.barrier()
 
 
-def _from_rank0(value: Any, world_size: int) -> Any:
+def _from_rank0(value: Any, world_size: int, group: Any = None) -> Any:
     """Rank 0's ``value``, on every rank (a decision all must share)."""
     if world_size == 1:
         return value
     import torch.distributed as dist
 
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
