@@ -6,7 +6,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -278,7 +278,7 @@ class CheckpointingHook(BaseHook):
             step, keep = trainer.step, self._kept(trainer.step)
             if self.async_save:
                 staged, copies = _stage(parts, trainer)
-                self._submit(started, copies, self._copy_then_write, step, staged, keep, sharded=False)
+                self._submit(started, copies, lambda: (self._write(step, staged, keep), None), sharded=False)
             else:
                 self._log_saved(trainer, self._write(step, parts, keep), blocked=None)
         _barrier(trainer.world_size)  # no rank runs ahead of a checkpoint that is not durable yet
@@ -325,29 +325,27 @@ class CheckpointingHook(BaseHook):
         if self._group is None and _distributed():
             self._group = _background_group()  # collective: every rank is here, at the same save
         staged, copies = _stage(state, trainer)
-        self._submit(started, copies, self._copy_then_write_sharded, job, staged, sharded=True)
+        group = self._group
+        self._submit(
+            started, copies, lambda: (self._write_sharded(job, staged, time.perf_counter(), group), world), sharded=True
+        )
 
     def _submit(
-        self, started: float, copies: list[tuple[torch.Tensor, torch.Tensor]], work: Any, *args: Any, sharded: bool
+        self,
+        started: float,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        write: Callable[[], tuple[_Saved | None, int | None]],
+        *,
+        sharded: bool,
     ) -> None:
-        """Start ``work(copies, staged_event, *args)`` on the writer thread; the loop was blocked
-        since ``started``, and is blocked again before the next optimizer step until the copies are made."""
+        """Make ``copies`` on the writer thread, then ``write()`` there; the loop was blocked since
+        ``started``, and is blocked again before the next optimizer step until the copies are made."""
         self._blocked = time.perf_counter() - started
         self._staging = threading.Event()
         self._inflight_sharded = sharded
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-async-save")
-        self._inflight = self._writer.submit(work, copies, self._staging, *args)
-
-    def _copy_then_write_sharded(
-        self,
-        copies: list[tuple[torch.Tensor, torch.Tensor]],
-        staged_event: threading.Event,
-        job: _ShardedSave,
-        state: dict[str, Any],
-    ) -> tuple[_Saved | None, int | None]:
-        _copy(copies, staged_event)
-        return self._write_sharded(job, state, time.perf_counter(), self._group), job.world
+        self._inflight = self._writer.submit(_copy_then, copies, self._staging, write)
 
     def _write_sharded(
         self, job: _ShardedSave, state: dict[str, Any], started: float, group: Any = None
@@ -403,17 +401,6 @@ class CheckpointingHook(BaseHook):
                 f"checkpoint is kept"
             )
         return None if saved is None else saved._replace(seconds=time.perf_counter() - started)
-
-    def _copy_then_write(
-        self,
-        copies: list[tuple[torch.Tensor, torch.Tensor]],
-        staged_event: threading.Event,
-        step: int,
-        parts: dict[str, Any],
-        keep: bool,
-    ) -> tuple[_Saved | None, int | None]:
-        _copy(copies, staged_event)
-        return self._write(step, parts, keep), None
 
     def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
         """The first in-place update of parameters or optimizer state must wait for the copy."""
@@ -561,12 +548,16 @@ def _background_group() -> Any:
     return dist.new_group(backend="gloo", timeout=group_timeout())
 
 
-def _copy(copies: list[tuple[torch.Tensor, torch.Tensor]], staged_event: threading.Event) -> None:
+def _copy_then(
+    copies: list[tuple[torch.Tensor, torch.Tensor]], staged_event: threading.Event, write: Callable[[], Any]
+) -> Any:
+    """On the writer thread: the copies the loop waits for before its next optimizer step, then ``write()``."""
     try:
         for source, target in copies:
             target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
     finally:
         staged_event.set()
+    return write()
 
 
 def _stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
