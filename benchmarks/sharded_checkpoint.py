@@ -1,0 +1,127 @@
+"""Sharded checkpoint saves on 2 gloo ranks (FSDP2 ``fully_shard``), side by side in one run.
+
+The same trainer (one square linear layer of ``--megabytes`` split over the ranks, SGD) saves a
+sharded checkpoint after every step, first synchronously, then with ``async_save=True``. Printed:
+the median synchronous save (every rank writes its shards with DCP, rank 0 the manifest), and the
+median time the training loop is blocked by an asynchronous one (staging the non-parameter state,
+the collective that agrees on the directory, and the wait for the parameter copies before the next
+optimizer step). Target, as for a full checkpoint: blocked <= 10% of the synchronous save.
+
+    python benchmarks/sharded_checkpoint.py                # 200 MB over 2 ranks, 7 saves each
+    python benchmarks/sharded_checkpoint.py --quick        # 16 MB, 2 saves: a smoke run, no verdict
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainfsm import BaseTrainer, CheckpointingHook
+from trainfsm.distributed import wrap_model
+
+MB = 1 << 20
+WORLD = 2
+
+
+class ShardedTrainer(BaseTrainer):
+    """One square linear layer of ``width``, ``fully_shard``-ed over the ranks, and SGD."""
+
+    def __init__(self, width: int, batch: int, hook: CheckpointingHook, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.width, self.batch, self.hook = width, batch, hook
+
+    def build_data_loader(self) -> Any:
+        return [torch.randn(self.batch, self.width)]
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return wrap_model(nn.Linear(self.width, self.width, bias=False), "fsdp")
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=1e-3)  # type: ignore[union-attr]
+
+    def build_hooks(self) -> list[Any]:
+        return [self.hook]
+
+    def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        return self.model(input).square().mean(), {}  # type: ignore[misc]
+
+
+def rank_main(rank: int, port: int, directory: Path, megabytes: int, saves: int, batch: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
+    )
+    width = int((megabytes * MB / 4) ** 0.5)
+    results: dict[str, float] = {}
+    for mode in ("sync", "async"):
+        workspace = directory / mode
+        hook = CheckpointingHook(interval=1, async_save=mode == "async")
+        trainer = ShardedTrainer(width, batch, hook, max_steps=saves + 1, workspace=workspace, device="cpu")
+        trainer.train()
+        assert hook.saves_sharded, "the FSDP state was not saved sharded"
+        del trainer, hook  # the FSDP model holds the group: free it before the group goes
+        if rank == 0:
+            lines = (workspace / "logs" / "events.rank0.jsonl").read_text().splitlines()
+            saved = [e for e in map(json.loads, lines) if e["event"] == "checkpoint_saved"][1:]  # first: warm-up
+            key = "blocked_seconds" if mode == "async" else "seconds"
+            results[mode] = statistics.median(e[key] for e in saved)
+    if rank == 0:
+        (directory / "results.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--megabytes", type=int, default=200, help="the model's size, split over 2 ranks")
+    parser.add_argument("--saves", type=int, default=7, help="saves of each kind (medians are compared)")
+    parser.add_argument("--batch", type=int, default=8, help="sets how much compute the parameter copies overlap")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--quick", action="store_true", help="16 MB, 2 saves: a smoke run (no verdict)")
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.megabytes, args.saves = 16, 2
+    if args.rank is not None:
+        rank_main(args.rank, args.port, args.dir, args.megabytes, args.saves, args.batch)
+        return
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp, socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        command = [sys.executable, __file__, "--dir", tmp, "--port", str(port), "--megabytes", str(args.megabytes)]
+        command += ["--saves", str(args.saves), "--batch", str(args.batch)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), "src"]))}
+        ranks = [subprocess.Popen([*command, "--rank", str(rank)], env=env) for rank in range(WORLD)]
+        codes = [rank.wait(timeout=600) for rank in ranks]
+        if any(codes):
+            raise SystemExit(f"a rank failed: exit codes {codes}")
+        results = json.loads((Path(tmp) / "results.json").read_text())
+    share = results["async"] / results["sync"]
+    print(
+        f"| {args.megabytes:>5} MB over {WORLD} ranks | sharded sync save {results['sync']:7.3f} s | "
+        f"async: loop blocked {results['async']:7.3f} s | {share:6.1%} |"
+    )
+    if args.quick:
+        print("quick smoke run: 16 MB and 2 saves; no verdict")
+        return
+    print(f"target: async blocked <= 10% of the sync save ({'met' if share <= 0.10 else 'MISSED'})")
+
+
+if __name__ == "__main__":
+    main()
