@@ -3,7 +3,7 @@
 Each case runs in a fresh interpreter, since what matters is which modules were imported before
 the group existed. The script builds an optimizer after ``init_process_group`` (that is what
 imports ``torch.distributed.nn.functional`` in torch 2.13), destroys the group, and prints the
-names of its own threads.
+names of its own threads. Where trainfsm comes too late to help, a trainer's BUILD says so.
 """
 
 from __future__ import annotations
@@ -58,3 +58,52 @@ def test_torch_still_keeps_a_group_alive_that_existed_before_the_first_optimizer
     if not alive:
         pytest.skip("this torch no longer keeps a destroyed group alive: the workaround can be removed")
     assert "pt_gloo_runloop" in alive
+
+
+TRAIN = """
+import json, sys, warnings
+import torch
+if sys.argv[1] == "before":
+    import trainfsm
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+import trainfsm
+
+class Tiny(trainfsm.BaseTrainer):
+    def build_data_loader(self): return [torch.ones(2, 2)]
+    def build_model(self): return torch.nn.Linear(2, 1)
+    def build_optimizer(self): return torch.optim.SGD(self.model.parameters(), lr=0.1)
+    def forward(self, batch): return self.model(batch).sum(), {}
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    Tiny(max_steps=1, workspace=sys.argv[3]).train()
+dist.destroy_process_group()
+print(json.dumps([w.category.__name__ for w in caught]))
+"""
+
+
+def train_in_a_group(tmp_path: Path, when: str) -> tuple[list[str], list[dict[str, object]]]:
+    """The warnings a one-step run in a 1-rank gloo group gave, and its trail's warning events."""
+    done = subprocess.run(
+        [sys.executable, "-c", TRAIN, when, str(tmp_path / "store"), str(tmp_path / "ws")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "ws" / "logs" / "events.rank0.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    return json.loads(done.stdout.splitlines()[-1]), [e for e in events if e["event"] == "group_outlives_destroy"]
+
+
+def test_build_warns_when_trainfsm_was_imported_after_the_group_was_created(tmp_path: Path) -> None:
+    caught, events = train_in_a_group(tmp_path, "after")
+    assert caught.count("GroupOutlivesDestroyWarning") == 1
+    [event] = events
+    assert "Import trainfsm before init_process_group" in event["cause"]
+
+
+def test_build_does_not_warn_when_trainfsm_came_first(tmp_path: Path) -> None:
+    caught, events = train_in_a_group(tmp_path, "before")
+    assert "GroupOutlivesDestroyWarning" not in caught and events == []

@@ -18,7 +18,7 @@ from trainfsm.hooks import (
     WandbHook,
 )
 from trainfsm.machine import STATES, TRANSITIONS
-from trainfsm.torch_workarounds import import_collectives_before_any_group
+from trainfsm.torch_workarounds import GroupOutlivesDestroyWarning, import_collectives_before_any_group
 from trainfsm.trainer import BaseTrainer, LossNoneWarning
 from trainfsm.utils import key_average, map_nested_tensor, unwrap
 
@@ -39,6 +39,7 @@ __all__ = [
     "EMAHook",
     "EarlyStoppingHook",
     "EmaHook",
+    "GroupOutlivesDestroyWarning",
     "ImageFileLoggerHook",
     "LoggingHook",
     "LossNoneWarning",

@@ -75,6 +75,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "early_stop": ("monitor", "best", "best_step", "bad_evaluations", "patience"),
     "cuda_memory_unavailable": ("device",),
     "collective_failed": ("note", "trails"),
+    "group_outlives_destroy": ("cause",),
     "exception": ("type", "message", "traceback"),
     "exit": ("reason", "code"),
 }

@@ -14,7 +14,9 @@ failed.
 
 Importing the module before any group exists makes those defaults None (the default group at
 call time), so nothing holds the group. ``import trainfsm`` does that: scripts import it at the
-top, before they create their group. Costs about 0.08 s once. Checked by
+top, before they create their group. Costs about 0.08 s once. A script that creates its group
+before importing trainfsm is told in BUILD (``GroupOutlivesDestroyWarning``, and the
+``group_outlives_destroy`` event), since it can no longer be helped from here. Checked by
 ``tests/test_torch_workarounds.py``, which also shows when torch stops capturing the group (then
 this can go).
 """
@@ -22,11 +24,39 @@ this can go).
 from __future__ import annotations
 
 import importlib
+import sys
 
 import torch.distributed as dist
+
+COLLECTIVES_MODULE = "torch.distributed.nn.functional"
+
+
+GROUP_KEPT_ALIVE = (
+    "torch.distributed.nn.functional was imported after the default process group was created, and "
+    "its default arguments now hold the group: destroy_process_group() will not free it, and gloo's "
+    "threads can abort the process at exit (code 134, 'terminate called without an active exception') "
+    "after a clean run. Import trainfsm before init_process_group (at the top of the script), or "
+    "import torch.distributed.nn.functional yourself before creating the group."
+)
+
+
+class GroupOutlivesDestroyWarning(UserWarning):
+    """The default process group is held by torch and will outlive ``destroy_process_group()``:
+    the process may abort at exit (134) after a clean run. Import trainfsm before creating the group."""
 
 
 def import_collectives_before_any_group() -> None:
     """Import ``torch.distributed.nn.functional`` now if no process group exists yet."""
     if dist.is_available() and not dist.is_initialized():
-        importlib.import_module("torch.distributed.nn.functional")
+        importlib.import_module(COLLECTIVES_MODULE)
+
+
+def default_group_kept_alive() -> bool:
+    """Whether ``torch.distributed.nn.functional``'s default arguments hold the current default
+    group (it was imported after the group was created), so that destroying the group frees nothing."""
+    module = sys.modules.get(COLLECTIVES_MODULE)
+    if module is None or not (dist.is_available() and dist.is_initialized()):
+        return False
+    world = dist.group.WORLD
+    broadcast = getattr(module, "broadcast", None)
+    return any(value is world for value in (getattr(broadcast, "__defaults__", None) or ()))

@@ -28,6 +28,7 @@ from trainfsm.events import FORMAT_VERSION, EventLog, new_run_id, previous_attem
 from trainfsm.hooks.base import BaseHook, overrides
 from trainfsm.signals import ExitPolicy, SignalWatcher, exit_policy
 from trainfsm.step import Stepper, close_iterator
+from trainfsm.torch_workarounds import GROUP_KEPT_ALIVE, GroupOutlivesDestroyWarning, default_group_kept_alive
 from trainfsm.utils import is_distributed_wrapper, key_average, unwrap
 
 #: What ``_next_batch`` returns once ``max_epochs`` epochs of data are used up.
@@ -296,6 +297,9 @@ class BaseTrainer:
         self.data_loader = check.built("build_data_loader", self.build_data_loader(), Iterable)
         self.model = check.built("build_model", self.build_model(), nn.Module)
         self.optimizer = check.built("build_optimizer", self.build_optimizer(), torch.optim.Optimizer)
+        if default_group_kept_alive():  # checked here: building the first optimizer may import it
+            self.audit.warning("group_outlives_destroy", cause=GROUP_KEPT_ALIVE)
+            warnings.warn(GROUP_KEPT_ALIVE, GroupOutlivesDestroyWarning, stacklevel=2)
         self.lr_scheduler = self.build_lr_scheduler()
         self.grad_scaler = check.built("build_grad_scaler", self.build_grad_scaler(), torch.amp.GradScaler)
         self.hooks = list(check.built("build_hooks", self.build_hooks(), (list, tuple)))
