@@ -29,3 +29,22 @@ def test_signal_to_rank_1_only_makes_both_ranks_save_at_the_same_step_and_exit(t
     for rank in (0, 1):
         exits = [e for e in events(tmp_path, rank) if e["event"] == "exit"]
         assert [(e["reason"], e["code"], e["step"]) for e in exits] == [("preempted", 138, step)]
+
+
+def test_a_signal_with_async_sharded_saves_exits_after_the_sharded_checkpoint_is_durable(tmp_path: Path) -> None:
+    """FSDP2 and ``async_save``: the signal's checkpoint is written on each rank's writer thread;
+    EXIT waits for it, so both ranks exit 138 with a complete sharded checkpoint of the agreed step."""
+    result = scenario(tmp_path, timeout=90, fsdp_async=True)
+    assert not result["hung"], f"rank(s) {result['hung']} hung; stderr: {result['stderr']}"
+    assert result["codes"] == {0: 138, 1: 138}, result["stderr"]
+    [agreed] = [e for e in events(tmp_path, 0) if e["event"] == "signal_agreed"]
+    step = agreed["agreed_step"]
+    [saved] = [e for e in events(tmp_path, 0) if e["event"] == "checkpoint_saved"]
+    assert (saved["saved_step"], saved["asynchronous"], saved["sharded"]) == (step, True, True)
+    checkpoint = tmp_path / "checkpoints" / str(step)
+    assert (checkpoint / "manifest.json").is_file()
+    assert sorted(p.name for p in (checkpoint / "sharded").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert (tmp_path / "checkpoints" / "latest").resolve() == checkpoint.resolve()
+    for rank in (0, 1):
+        exits = [e for e in events(tmp_path, rank) if e["event"] == "exit"]
+        assert [(e["reason"], e["code"], e["step"]) for e in exits] == [("preempted", 138, step)]

@@ -2,6 +2,7 @@
 step and exit with 138, and neither may hang. Used by tests/test_distributed_signals.py.
 
     python tests/faults/two_ranks.py --workspace /tmp/two   # runs the scenario and prints a summary
+    python tests/faults/two_ranks.py --workspace /tmp/two --fsdp-async   # FSDP2, async sharded saves
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 HERE = Path(__file__).resolve()
 
 
-def child(rank: int, world: int, port: int, workspace: Path, agree: bool = False) -> None:
+def child(rank: int, world: int, port: int, workspace: Path, agree: bool = False, fsdp_async: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -41,13 +42,17 @@ def child(rank: int, world: int, port: int, workspace: Path, agree: bool = False
 
         def build_model(self) -> nn.Module:
             torch.manual_seed(0)
+            if fsdp_async:  # split over the ranks: the signal's checkpoint is sharded, written in the background
+                from torch.distributed.fsdp import fully_shard
+
+                return fully_shard(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)))
             return DistributedDataParallel(nn.Linear(4, 1))
 
         def build_optimizer(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.model.parameters(), lr=0.01)  # type: ignore[union-attr]
 
         def build_hooks(self) -> list[Any]:
-            return [CheckpointingHook(interval=1000, exit_signals=[signal.SIGUSR1])]
+            return [CheckpointingHook(interval=1000, exit_signals=[signal.SIGUSR1], async_save=fsdp_async)]
 
         def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
             time.sleep(0.02)
@@ -75,11 +80,13 @@ def events(workspace: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def scenario(workspace: Path, timeout: float = 90.0, agree: bool = False) -> dict[str, Any]:
+def scenario(workspace: Path, timeout: float = 90.0, agree: bool = False, fsdp_async: bool = False) -> dict[str, Any]:
     """Run it; returns exit codes per rank, and which ranks hung (killed after ``timeout``).
-    ``agree``: ``loss_none_agreement=True``, so the signal rides on the per-micro-batch agreement."""
+    ``agree``: ``loss_none_agreement=True``, so the signal rides on the per-micro-batch agreement.
+    ``fsdp_async``: an FSDP2 model and ``async_save``, so the checkpoint is sharded and written on
+    each rank's writer thread (EXIT must wait for it)."""
     port = _free_port()
-    extra = ["--agree"] if agree else []
+    extra = (["--agree"] if agree else []) + (["--fsdp-async"] if fsdp_async else [])
     procs = [
         subprocess.Popen(
             [
@@ -127,12 +134,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--workspace", type=Path, required=True)
     parser.add_argument("--agree", action="store_true", help="loss_none_agreement=True")
+    parser.add_argument("--fsdp-async", action="store_true", help="FSDP2 and async sharded saves")
     args = parser.parse_args()
     if args.child is not None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        child(args.child, 2, args.port, args.workspace, args.agree)
+        child(args.child, 2, args.port, args.workspace, args.agree, args.fsdp_async)
         return
-    result = scenario(args.workspace, agree=args.agree)
+    result = scenario(args.workspace, agree=args.agree, fsdp_async=args.fsdp_async)
     print(json.dumps({k: v for k, v in result.items() if k != "stderr"}))
 
 
