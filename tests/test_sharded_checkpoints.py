@@ -16,6 +16,7 @@ import json
 import pickle
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -100,6 +101,30 @@ def test_async_sharded_saves_write_the_same_files_in_the_background_and_resume_e
     assert sorted(manifest["files"]) == ["sharded/.metadata", "sharded/__0_0.distcp", "training_state.pt"]
     for name, entry in manifest["files"].items():
         assert entry["sha256_chunks"] == sha256_chunks(checkpoint / name)
+
+
+def test_a_staged_shard_is_the_cpu_copy_the_writer_fills_whatever_device_the_mesh_has() -> None:
+    """An async save stages a DTensor as a DTensor over a CPU tensor that the writer thread fills
+    later. On a mesh of another device (CUDA on a GPU machine; "meta" here) ``DTensor.from_local``
+    would move that tensor to the mesh's device, and DCP would write a copy the writer never filled."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from trainfsm.hooks.checkpointing import _stage
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("meta", [0])
+        shard = DTensor.from_local(torch.empty(3, 2, device="meta"), mesh, [Shard(0)], run_check=False)
+        staged, copies = _stage({"optimizer": {"exp_avg": shard}}, SimpleNamespace(model=None))  # type: ignore[arg-type]
+        [(source, target)] = copies
+        written = staged["optimizer"]["exp_avg"]
+        assert source.device.type == "meta" and target.device.type == "cpu"
+        assert written.to_local().data_ptr() == target.data_ptr()
+        assert (written.device_mesh, written.placements, written.shape) == (mesh, (Shard(0),), shard.shape)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_sharded_checkpoint_loads_whatever_sharded_says_now(tmp_path: Path) -> None:

@@ -600,15 +600,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _shaped_like(original: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` (a CPU copy of ``original``'s part) as what DCP must see: a DTensor with the same
     mesh, placements and global shape when ``original`` is one, so that it is written as the same
-    shard of the same global tensor."""
+    shard of the same global tensor.
+
+    Made with DTensor's own constructor from ``original``'s spec, not ``DTensor.from_local``: that
+    moves the local tensor to the mesh's device (a CUDA mesh: a new GPU tensor), and the writer
+    thread's later copy into ``local`` would then never reach what DCP writes. torch's own stager
+    (``_create_cpu_state_dict``) keeps the CPU tensor the same way, by setting ``_local_tensor``."""
     if not hasattr(original, "placements"):
         return local
-    from torch.distributed.tensor import DTensor
-
     dtensor: Any = original
-    return DTensor.from_local(
-        local, dtensor.device_mesh, dtensor.placements, run_check=False, shape=dtensor.shape, stride=dtensor.stride()
-    )
+    staged: torch.Tensor = type(dtensor)(local, dtensor._spec, requires_grad=False)
+    return staged
 
 
 def _rank_state(trainer: BaseTrainer) -> dict[str, Any]:
