@@ -32,38 +32,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from checkpoint import BigTrainer  # benchmarks/checkpoint.py: this directory is on sys.path when a script here runs
 from torch import nn
 
-from trainfsm import BaseTrainer, CheckpointingHook
+from trainfsm import CheckpointingHook
 from trainfsm.distributed import wrap_model
 
 MB = 1 << 20
 WORLD = 2
 
 
-class ShardedTrainer(BaseTrainer):
-    """One square linear layer of ``width``, ``fully_shard``-ed over the ranks, and Adam or SGD."""
+class ShardedTrainer(BigTrainer):
+    """``checkpoint.py``'s trainer (one square linear layer of ``width``), ``fully_shard``-ed over the
+    ranks, with Adam or SGD."""
 
     def __init__(self, width: int, batch: int, optimizer: str, hook: CheckpointingHook, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.width, self.batch, self.optimizer_name, self.hook = width, batch, optimizer, hook
-
-    def build_data_loader(self) -> Any:
-        return [torch.randn(self.batch, self.width)]
+        super().__init__(width, batch, hook, **kwargs)
+        self.optimizer_name = optimizer
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(0)
-        return wrap_model(nn.Linear(self.width, self.width, bias=False), "fsdp")
+        return wrap_model(super().build_model(), "fsdp")
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         make = torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.SGD
         return make(self.model.parameters(), lr=1e-3)  # type: ignore[union-attr]
-
-    def build_hooks(self) -> list[Any]:
-        return [self.hook]
-
-    def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        return self.model(input).square().mean(), {}  # type: ignore[misc]
 
 
 def rank_main(rank: int, port: int, directory: Path, megabytes: int, saves: int, batch: int, optimizer: str) -> None:

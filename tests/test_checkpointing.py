@@ -130,8 +130,18 @@ def test_checkpoints_written_through_the_page_cache_resume_the_same(tmp_path: Pa
     supported = _direct_io_works(tmp_path)
     assert [e["direct_io"] for e in events(tmp_path / "a", "checkpoint_saved")] == [supported, supported]
     assert [e["direct_io"] for e in events(tmp_path / "b", "checkpoint_saved")] == [False, False]
-    with pytest.raises(TypeError, match="CheckpointingHook direct_io must be True or False; got 'yes'"):
-        CheckpointingHook(interval=1, direct_io="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda root: CheckpointingHook(interval=1, direct_io="yes"), "CheckpointingHook"),
+        (lambda root: CheckpointStore(root, direct_io="yes"), "CheckpointStore"),
+    ],
+)
+def test_direct_io_must_be_true_or_false(tmp_path: Path, make: Any, name: str) -> None:
+    with pytest.raises(TypeError, match=f"^{name} direct_io must be True or False; got 'yes'.$"):
+        make(tmp_path)
 
 
 def test_resume_of_a_finished_run_exits_without_stepping(tmp_path: Path) -> None:
@@ -572,8 +582,6 @@ def test_without_direct_io_files_go_through_the_page_cache(tmp_path: Path) -> No
     entry, direct = write_file(tmp_path / "f", [data], direct=False)
     assert not direct and (tmp_path / "f").read_bytes() == data
     assert entry["sha256_chunks"] == chunk_sums(data)
-    with pytest.raises(TypeError, match="direct_io must be True or False"):
-        CheckpointStore(tmp_path, direct_io="no")  # type: ignore[arg-type]
 
 
 def test_a_disk_full_in_the_background_write_loses_no_earlier_checkpoint(

@@ -375,7 +375,7 @@ class CheckpointStore:
 
     def __init__(self, root: Path, *, direct_io: bool = True) -> None:
         if not isinstance(direct_io, bool):
-            raise TypeError(f"CheckpointStore direct_io must be True or False, got {direct_io!r}")
+            raise TypeError(f"CheckpointStore direct_io must be True or False; got {direct_io!r}.")
         self.root = root
         self.direct_io = direct_io
         self._io: ThreadPoolExecutor | None = None

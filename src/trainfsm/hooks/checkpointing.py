@@ -322,7 +322,7 @@ class CheckpointingHook(BaseHook):
             if saved is not None:
                 self._log_saved(trainer, saved, blocked=None, world=world)
             return
-        if self._group is None and _distributed():
+        if self._group is None and world > 1:  # one rank has no collective to mispair
             self._group = _background_group()  # collective: every rank is here, at the same save
         staged, copies = _stage(state, trainer)
         group = self._group
@@ -459,18 +459,20 @@ class CheckpointingHook(BaseHook):
             return
         self._wait_staged()
         error = future.exception()
-        if error is not None and not self._failure_reported:
+        if error is None:
+            self._inflight = None
+            saved, world = future.result()
+            if saved is not None:
+                self._log_saved(trainer, saved, blocked=self._blocked, world=world)
+            return
+        if not self._failure_reported:
             trainer.audit.error("checkpoint_failed", type=type(error).__name__, message=str(error))
             self._failure_reported = True
-        if error is not None and not wait and self._inflight_sharded:
-            return
+        if not wait and self._inflight_sharded:
+            return  # raised where every rank is at once: the next checkpoint or EXIT
         self._inflight = None
         self._failure_reported = False
-        if error is not None:
-            raise CheckpointError(f"asynchronous checkpoint save failed: {type(error).__name__}: {error}") from error
-        saved, world = future.result()
-        if saved is not None:
-            self._log_saved(trainer, saved, blocked=self._blocked, world=world)
+        raise CheckpointError(f"asynchronous checkpoint save failed: {type(error).__name__}: {error}") from error
 
     def on_before_step(self, trainer: BaseTrainer) -> None:
         if self._inflight is not None:
@@ -529,12 +531,6 @@ class _ShardedSave(NamedTuple):
     keep: bool
     tmp: Path  # rank 0's temporary directory, the same on every rank
     ranks: list[dict[str, Any]]  # every rank's random state and data position
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 def _background_group() -> Any:
