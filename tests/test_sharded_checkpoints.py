@@ -266,6 +266,15 @@ def test_async_sharded_saves_resume_exactly_on_the_same_world_size(runs: tuple[P
 
 
 @distributed
+def test_the_process_group_of_background_sharded_saves_is_destroyed_at_exit(runs: tuple[Path, Any]) -> None:
+    """A group left alive would keep its gloo threads into interpreter shutdown (see torch_workarounds)."""
+    _, results = runs
+    for result in results["fsdp"]:
+        before, after = result["async_gloo_threads"]
+        assert before > 0 and after == before
+
+
+@distributed
 def test_a_failed_async_sharded_save_raises_on_every_rank_at_the_next_checkpoint(runs: tuple[Path, Any]) -> None:
     """Rank 1's step-4 files fail in the background: both ranks log checkpoint_failed once they see
     it (step 5 or 6, as fast as the writer was) and raise the same error at the checkpoint of step 6,

@@ -90,10 +90,21 @@ def scenario_fsdp(out: Path, rank: int) -> dict[str, Any]:
     result["ddp1to2"] = train(out / "ddp1to2", lambda: ddp(mlp(1)), 5)
 
     # async_save: each rank writes its shards in the background; the same run as "first"/"resumed".
+    before = gloo_threads()
     result["async_first"] = train(out / "async", fsdp_mlp, 3, async_save=True)
     result["async_resumed"] = train(out / "async", lambda: fsdp_mlp(1), 6, async_save=True)
+    result["async_gloo_threads"] = (before, gloo_threads())  # the hook's own group is gone after EXIT
     result["async_failed"] = fail_rank1_step4_in_the_background(out / "async_failed")
     return result
+
+
+def gloo_threads() -> int:
+    """How many gloo worker threads this process runs (two per live gloo process group)."""
+    import gc
+
+    gc.collect()  # a trainer that is gone may still sit in a reference cycle
+    names = [Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")]
+    return names.count("pt_gloo_runloop")
 
 
 def fail_rank1_step4_in_the_background(workspace: Path) -> dict[str, Any]:
