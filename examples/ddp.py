@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -71,8 +70,9 @@ class DDPTrainer(BaseTrainer):
         return torch.optim.AdamW(self.model.parameters(), lr=1e-2)  # type: ignore[union-attr]
 
     def build_hooks(self) -> list[Any]:
-        # Every rank takes part in a save (gathers its RNG and data position); rank 0 writes.
-        return [CheckpointingHook(interval=self.interval, keep_previous=1, exit_signals=[signal.SIGTERM])]
+        # Every rank takes part in a save (gathers its RNG and data position); rank 0 writes. By
+        # default SIGTERM and SIGUSR1 (what schedulers and torchrun send) checkpoint and exit.
+        return [CheckpointingHook(interval=self.interval, keep_previous=1)]
 
     def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         if self.step_seconds:
@@ -114,7 +114,7 @@ def main() -> None:
         loss_none_agreement=args.loss_none_agreement,
     )
     try:
-        trainer.train()  # on SIGTERM: checkpoint at a step every rank agrees on, exit 143
+        trainer.train()  # on SIGTERM/SIGUSR1: checkpoint at a step every rank agrees on, exit 143/138
         if layout is not None:
             torch.distributed.barrier()  # leave together: gloo may abort a rank whose peer tore down first
     except Exception as exc:

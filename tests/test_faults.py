@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import pytest
@@ -22,11 +23,24 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_exact(capsys: pytest.C
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="signal fault trials run on Linux")
-def test_sigterm_sigusr1_sigint_at_random_moments_checkpoint_at_the_agreed_step(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_at_any_moment_of_train_preempts_or_checkpoints_at_the_agreed_step(
+    capsys: pytest.CaptureFixture[str], sig: signal.Signals
 ) -> None:
-    passed, failed, sent = signal_resume.run_trials(trials=7, signals=3, seed=20261122, slow=0.03)
+    """At least 20 signals per signal, drawn over the whole life of train() (BUILD included)."""
+    passed, failed, sent = signal_resume.run_trials(trials=7, signals=3, seed=20261124 + sig, slow=0.03, names=(sig,))
     output = capsys.readouterr().out
     assert failed == 0, output
     assert passed == 7
     assert sent >= 20, f"only {sent} signals were sent\n{output}"
+    assert "BUILD" in output and "training" in output, f"no signal landed in BUILD or in training\n{output}"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="signal fault trials run on Linux")
+def test_sigint_at_random_moments_is_a_preemption_once_named_and_a_keyboard_interrupt_before(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    passed, failed, _ = signal_resume.run_trials(trials=3, signals=3, seed=20261122, slow=0.03, names=(signal.SIGINT,))
+    output = capsys.readouterr().out
+    assert failed == 0, output
+    assert passed == 3

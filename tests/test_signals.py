@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -314,3 +317,97 @@ def test_a_run_preempted_before_any_checkpoint_starts_fresh_next_time(tmp_path: 
     restore = next(e for e in events if e["event"] == "restore")
     assert (restore["resumed"], restore["from_step"]) == (False, 0)
     assert events[-1]["event"] == "exit" and events[-1]["reason"] == "completed" and again.step == 6
+
+
+def test_run_start_records_a_signal_blocked_and_pending_when_train_began(tmp_path: Path) -> None:
+    USR2 = signal.SIGUSR2
+    old = signal.signal(USR2, lambda signum, frame: None)  # delivered at the unblock, harmlessly
+    signal.pthread_sigmask(signal.SIG_BLOCK, [USR2])
+    try:
+        signal.pthread_kill(threading.get_ident(), USR2)  # to this thread: other threads may not block it
+        TinyTrainer(max_steps=1, workspace=tmp_path).train()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [USR2])
+        signal.signal(USR2, old)
+    start = read_events(tmp_path)[0]
+    assert start["event"] == "run_start"
+    assert start["signals"] == {"ignored": [], "blocked": ["SIGUSR2"], "pending": ["SIGUSR2"]}
+
+
+def test_train_hands_every_held_signal_back_as_it_was(tmp_path: Path) -> None:
+    mine = lambda signum, frame: None  # noqa: E731
+    old = signal.signal(signal.SIGUSR2, mine)
+    try:
+        before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)}
+        trainer(tmp_path).train()
+        after = {s: signal.getsignal(s) for s in before}
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+    assert after == before
+
+
+class AtStep(BaseHook):
+    def __init__(self, step: int, sig: signal.Signals) -> None:
+        self.at, self.sig = step, sig
+
+    def on_before_step(self, trainer: Any) -> None:
+        if trainer.step == self.at:
+            _kill_self(self.sig)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, USR1])
+def test_the_default_checkpoint_hook_saves_and_exits_128_plus_signal(tmp_path: Path, sig: signal.Signals) -> None:
+    run = TinyTrainer(max_steps=6, workspace=tmp_path, hooks=[CheckpointingHook(interval=100), AtStep(3, sig)])
+    with pytest.raises(SystemExit) as info:
+        run.train()
+    assert info.value.code == 128 + sig
+    names = outline(tmp_path)
+    assert names[names.index(f"signal_agreed:{sig.name}") :] == [
+        f"signal_agreed:{sig.name}",
+        "save:ACCUMULATE>CHECKPOINT",
+        "saved:3",
+        "finish:CHECKPOINT>EXIT",
+        f"exit:preempted:{128 + sig}",
+    ]
+
+
+def test_exit_signals_empty_handles_none(tmp_path: Path) -> None:
+    hook = CheckpointingHook(interval=100, exit_signals=[])
+    run = TinyTrainer(max_steps=2, workspace=tmp_path, hooks=[hook])
+    run.train()
+    assert hook.exit_signals == () and run.exit_policy is None
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_resume_and_a_preemption_save_are_said_on_stderr_without_any_logging_set_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    silent = logging.getLogger("trainfsm.tests.silent")  # no handler anywhere on its way up
+    silent.propagate = False
+    hooks = [CheckpointingHook(interval=2), AtStep(3, USR1)]
+    with pytest.raises(SystemExit):
+        TinyTrainer(max_steps=6, workspace=tmp_path, hooks=hooks, logger=silent).train()
+    # (the signal_received warning reaches stderr through Python's last-resort handler too)
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trainfsm: ")]
+    assert notices == [f"trainfsm: preempted: checkpoint 3 saved ({tmp_path / 'checkpoints' / '3'}); exiting 138"]
+    TinyTrainer(max_steps=6, workspace=tmp_path, hooks=[CheckpointingHook(interval=2)], logger=silent).train()
+    assert capsys.readouterr().err.splitlines() == [
+        f"trainfsm: resumed from checkpoint 3 ({tmp_path / 'checkpoints' / '3'})"
+    ]
+
+
+def test_no_notice_on_stderr_when_the_logger_already_shows_the_events(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shown = logging.getLogger("trainfsm.tests.shown")
+    shown.propagate = False
+    shown.setLevel(logging.INFO)
+    shown.addHandler(logging.StreamHandler(sys.stdout))
+    try:
+        TinyTrainer(max_steps=2, workspace=tmp_path, hooks=[CheckpointingHook(interval=2)], logger=shown).train()
+        TinyTrainer(max_steps=4, workspace=tmp_path, hooks=[CheckpointingHook(interval=2)], logger=shown).train()
+    finally:
+        shown.handlers.clear()
+    captured = capsys.readouterr()
+    assert "trainfsm:" not in captured.err
+    assert "checkpoint_loaded" in captured.out

@@ -118,6 +118,17 @@ class SignalAgreement:
         return int(self._flag.item())  # host sync, once per step, after the optimizer step
 
 
+def agree_now(pending: int) -> int:
+    """The largest signal number pending on any rank, at once (a blocking all-reduce): for the
+    end of BUILD and of RESTORE, where every rank must leave by ``preempt`` or none."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([pending], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())  # once each in BUILD and RESTORE, never per step
+
+
 class Agreement:
     """One all-reduce per micro-batch: whether any rank's loss is None, and the pending signal."""
 

@@ -4,6 +4,13 @@ the process group and wrap the model, the trainer sequences (see ``examples/ddp.
 ``init_distributed`` reads torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT) or, under ``srun``, SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master is
 the first host of SLURM_JOB_NODELIST unless MASTER_ADDR is set).
+
+Under torchrun's elastic restarts (``--max-restarts``) every attempt's workers meet in the same
+launcher store. Its keys outlive the workers that wrote them, so a restarted worker may read the
+previous attempt's addresses (gloo: ``connectFullMesh failed ... Connection refused``; the root
+cause is discussed in pytorch/pytorch#135712) or wait for a peer that is gone. So each attempt
+gets a store of its own: the launcher's, under the prefix ``trainfsm/restart_<N>/`` where N is
+``TORCHELASTIC_RESTART_COUNT``, the same on every worker of one attempt and new for each.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,14 +79,45 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(layout.local_rank)
+    restart = elastic_restart()
+    if restart is None:  # srun, or RANK/WORLD_SIZE set by hand: rank 0 hosts the store
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{layout.master_addr}:{layout.master_port}",
+            rank=layout.rank,
+            world_size=layout.world_size,
+            timeout=timeout,
+        )
+        return layout
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{layout.master_addr}:{layout.master_port}",
+        store=PrefixStore(f"trainfsm/restart_{restart}/", _launcher_store(layout, timeout)),
         rank=layout.rank,
         world_size=layout.world_size,
         timeout=timeout,
     )
     return layout
+
+
+def elastic_restart(environ: dict[str, str] | None = None) -> int | None:
+    """torchrun's restart count for this attempt (0 for the first), or None outside torchrun."""
+    value = (os.environ if environ is None else environ).get("TORCHELASTIC_RESTART_COUNT", "")
+    return int(value) if value.isdigit() else None
+
+
+def _launcher_store(layout: DistEnv, timeout: timedelta) -> Any:
+    """torchrun's store: the agent's own (a client on every worker) when the agent shares it, as
+    torchrun does by default; otherwise rank 0 hosts one at MASTER_ADDR:MASTER_PORT, as
+    ``init_process_group("env://")`` would."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return TCPStore(
+        layout.master_addr,
+        layout.master_port,
+        layout.world_size,
+        is_master=not agent and layout.rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
 
 
 def cleanup_distributed() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import Callable, MutableMapping
@@ -44,7 +45,7 @@ FORMAT_VERSION: Final = 1
 
 #: Event name -> the fields it adds to the common ones. Decision events are INFO for people.
 EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
-    "run_start": ("format", "versions", "world_size", "max_steps", "config"),
+    "run_start": ("format", "versions", "world_size", "max_steps", "config", "signals", "torchelastic"),
     "transition": ("trigger", "source", "dest"),
     "restore": ("resumed", "from_step"),
     "epoch": ("epoch",),
@@ -70,6 +71,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "checkpoint_failed": ("type", "message"),
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
     "signal_agreed": ("signal", "agreed_step"),
+    "signal_passed_on": ("signal", "received_at", "at_state", "disposition"),
     "requeue": ("command", "ok", "message"),
     "wandb_run": ("wandb_id", "continued", "mode"),
     "early_stop": ("monitor", "best", "best_step", "bad_evaluations", "patience"),
@@ -215,6 +217,19 @@ class EventLog:
             self._file.flush()
             self._file.close()
             self._file = None
+
+
+def notice(console: logging.Logger | logging.LoggerAdapter[logging.Logger], text: str) -> None:
+    """A line people must see (a resume, a preemption's save) even when nobody set up logging.
+
+    When the trainer's logger shows INFO through some handler the event's own line already says
+    it; otherwise (Python's default: WARNING and above only) this prints ``trainfsm: text`` to
+    stderr once.
+    """
+    logger = console.logger if isinstance(console, logging.LoggerAdapter) else console
+    if console.isEnabledFor(logging.INFO) and logger.hasHandlers():
+        return
+    print(f"trainfsm: {text}", file=sys.stderr, flush=True)
 
 
 def render_console(event: MutableMapping[str, Any]) -> str:

@@ -7,6 +7,7 @@ in BUILD (see ``trainfsm.machine`` for what fires where).
 
 from __future__ import annotations
 
+import os
 import platform
 import signal
 import time
@@ -23,13 +24,30 @@ from torch import nn
 from trainfsm import data_state, rng, slurm
 from trainfsm import machine as fsm
 from trainfsm import validation as check
-from trainfsm.agreement import Agreement, SignalAgreement, add_note, collective_note, is_collective_error, trails
+from trainfsm.agreement import (
+    Agreement,
+    SignalAgreement,
+    add_note,
+    agree_now,
+    collective_note,
+    is_collective_error,
+    trails,
+)
 from trainfsm.events import FORMAT_VERSION, EventLog, new_run_id, previous_attempt
 from trainfsm.hooks.base import BaseHook, overrides
-from trainfsm.signals import ExitPolicy, SignalWatcher, exit_policy
+from trainfsm.signals import (
+    HELD_SIGNALS,
+    REPORTED_SIGNALS,
+    ExitPolicy,
+    SignalWatcher,
+    exit_policy,
+    on_launcher_death,
+    restore_launcher_death,
+    state_at_start,
+)
 from trainfsm.step import Stepper, close_iterator
 from trainfsm.torch_workarounds import GROUP_KEPT_ALIVE, GroupOutlivesDestroyWarning, default_group_kept_alive
-from trainfsm.utils import is_distributed_wrapper, key_average, unwrap
+from trainfsm.utils import is_distributed_wrapper, key_average, unwrap, user_stacklevel
 
 #: What ``_next_batch`` returns once ``max_epochs`` epochs of data are used up.
 _EXHAUSTED: Final = object()
@@ -178,22 +196,34 @@ class BaseTrainer:
         if self._trained:
             raise RuntimeError("train() was already called on this trainer; build a new trainer to train again.")
         self._trained = True
+        # First of all: from here on no exit signal is lost (see trainfsm.signals for the rule).
+        own = self.exit_policy.signals if self.exit_policy is not None else ()
+        at_start = state_at_start((*REPORTED_SIGNALS, *own))
+        self._signals = SignalWatcher(self)
+        self._signals.install(dict.fromkeys((*HELD_SIGNALS, *own)))
+        if self.exit_policy is not None:
+            self._signals.acting = frozenset(own)
+        launcher_death = on_launcher_death(signal.SIGTERM)  # torchrun died: its workers must not train on
+        try:
+            self._run_machine(at_start)
+        finally:
+            restore_launcher_death(launcher_death)
+            self._signals.restore()
+
+    def _run_machine(self, signals_at_start: dict[str, list[str]]) -> None:
         self._machine = fsm.build_machine(self)
-        self._open_events()
+        self._open_events(signals_at_start)
         self._data_iter: Iterator[Any] | None = None
         # The trainer's own bookkeeping is bound (and the machine compiled) before any user code
         # runs, so that a failure in BUILD is recorded like any other: transition, exception, exit.
         fsm.bind(self._machine, "enter", fsm.STEP, self._begin_step)
         fsm.bind(self._machine, "enter", fsm.EXIT, self._finish_exit)
         self._machine.compile_events(self, self._events.transition_recorder)
-        self._signals = SignalWatcher(self)
         self._agreement: Agreement | None = None
         self._signal_agreement: SignalAgreement | None = None
         # The signal pending on any rank at the end of a step: this rank's own, the step's signal
         # all-reduce, or the last micro-batch agreement's. Chosen in BUILD, called once per step.
         self._pending_signal: Callable[[], int] = lambda: self._signals.pending
-        if self.exit_policy is not None:
-            self._signals.install(self.exit_policy.signals)
         runs: dict[str, Callable[[], Callable[[], bool] | None]] = {
             fsm.BUILD: self._run_build,
             fsm.RESTORE: self._run_restore,
@@ -210,22 +240,17 @@ class BaseTrainer:
                 trigger = runs[self.state]()
         except BaseException as exc:
             self._fail(exc)
-            self._signals.restore()
             raise
         finally:
             self._events.close()
         if self.exit_reason == "preempted":
-            try:
-                if self.exit_policy is not None and self.exit_policy.wait and not self._requeued:
-                    self._signals.sleep(self.exit_policy.wait)  # e.g. let SLURM record TIMEOUT, not FAILED
-            finally:
-                self._signals.restore()
+            if self.exit_policy is not None and self.exit_policy.wait and not self._requeued:
+                self._signals.sleep(self.exit_policy.wait)  # e.g. let SLURM record TIMEOUT, not FAILED
             raise SystemExit(self.exit_code)
-        self._signals.restore()
         if self._exit_errors:  # EXIT's work failed after training completed: recorded, now raised
             raise self._exit_errors[0]
 
-    def _open_events(self) -> None:
+    def _open_events(self, signals_at_start: dict[str, list[str]]) -> None:
         rank, world = _rank_and_world()
         self._logs = self.workspace / "logs" if self.workspace else None
         path = self._logs / f"events.rank{rank}.jsonl" if self._logs else None
@@ -253,6 +278,8 @@ class BaseTrainer:
             world_size=world,
             max_steps=self.max_steps,
             slurm=self.slurm.as_event() if self.slurm else None,
+            signals=signals_at_start,
+            torchelastic=_torchelastic(),
             versions={"trainfsm": _version(), "torch": torch.__version__, "python": platform.python_version()},
             config={
                 "grad_clip": self.grad_clip,
@@ -299,7 +326,7 @@ class BaseTrainer:
         self.optimizer = check.built("build_optimizer", self.build_optimizer(), torch.optim.Optimizer)
         if default_group_kept_alive():  # checked here: building the first optimizer may import it
             self.audit.warning("group_outlives_destroy", cause=GROUP_KEPT_ALIVE)
-            warnings.warn(GROUP_KEPT_ALIVE, GroupOutlivesDestroyWarning, stacklevel=2)
+            warnings.warn(GROUP_KEPT_ALIVE, GroupOutlivesDestroyWarning, stacklevel=user_stacklevel())
         self.lr_scheduler = self.build_lr_scheduler()
         self.grad_scaler = check.built("build_grad_scaler", self.build_grad_scaler(), torch.amp.GradScaler)
         self.hooks = list(check.built("build_hooks", self.build_hooks(), (list, tuple)))
@@ -325,9 +352,9 @@ class BaseTrainer:
                 (p for h in self.hooks if isinstance(p := getattr(h, "exit_policy", None), ExitPolicy) and p.signals),
                 None,
             )
+        self._decide_signals()
         if self.exit_policy is not None:
-            installed = self._signals.install(self.exit_policy.signals)
-            if not installed and not self._signals.installed_any:
+            if not self._signals.installed_any:
                 self.audit.warning("signals_not_installed", reason="train() is not running in the main thread")
             if self.world_size > 1 and self._agreement is None:
                 self._signal_agreement = SignalAgreement()
@@ -378,12 +405,9 @@ class BaseTrainer:
         # before the iterator exists, so a shuffling loader draws the same order it drew before.
         resumed = self.step > 0
         self.audit.info("restore", resumed=resumed, from_step=self.step)
-        preempted = self._preempted_before_training()
-        if preempted is not None:
-            return preempted
         if self.step >= self.max_steps:  # resumed from a finished run: nothing left to do
             self.exit_reason, self.exit_code = "completed", 0
-            return self.finish
+            return self.finish  # a signal now is recorded in EXIT: the run is complete, no requeue
         if self._data_resume is not None:
             mode, saved, rng_state = self._data_resume
             self._data_iter, self._batches, self._epoch_rng = data_state.resume(
@@ -393,7 +417,8 @@ class BaseTrainer:
                 rng.restore(rng_state)
         else:
             self._data_iter = self._new_iterator()
-        return self.restored
+        # Checked last: a signal while the checkpoint loaded or the data was positioned counts.
+        return self._preempted_before_training() or self.restored
 
     def _begin_step(self) -> None:
         self.step += 1
@@ -426,7 +451,7 @@ class BaseTrainer:
                 warnings.warn(
                     _LOSS_NONE_AGREED if agreement is not None else _LOSS_NONE_ALONE,
                     LossNoneWarning,
-                    stacklevel=3,  # the user's train() call
+                    stacklevel=user_stacklevel(),  # the user's train() call
                 )
             self.audit.debug("loss_none", micro=self._micro, ranks=ranks)
             return self.micro
@@ -495,11 +520,33 @@ class BaseTrainer:
         self.exit_reason = "preempted"
         self.exit_code = policy.exit_code(signum) if policy is not None else 128 + signum
 
+    def _decide_signals(self) -> None:
+        """The exit policy is known (or BUILD failed before it was): act on the signals it names;
+        a held signal it does not name gets its old disposition back and, if it came meanwhile, is
+        raised again here, after the trail says so (it may end the process at once)."""
+        if self._signals.acting is not None:
+            return
+        policy = self.exit_policy
+        for arrival, how in self._signals.decide(policy.signals if policy is not None else ()):
+            name = signal.Signals(arrival.signum).name
+            self.audit.warning(
+                "signal_passed_on", signal=name, received_at=arrival.at, at_state=arrival.state, disposition=how
+            )
+            signal.raise_signal(arrival.signum)
+
     def _preempted_before_training(self) -> Callable[[], bool] | None:
-        """A signal during BUILD or RESTORE: nothing worth saving exists yet; leave by ``preempt``."""
-        if not self._signals.pending:
+        """A signal during BUILD or RESTORE: nothing worth saving exists yet; leave by ``preempt``.
+
+        With several ranks they agree first (one blocking all-reduce, at the end of BUILD and of
+        RESTORE only), so a signal that reached one rank alone stops every rank here: a rank
+        leaving alone would strand the others in their next collective, and only rank 0 requeues.
+        """
+        pending = self._signals.pending
+        if self.world_size > 1 and self.exit_policy is not None:
+            pending = agree_now(pending)
+        if not pending:
             return None
-        self._preempted_by(self._signals.pending)
+        self._preempted_by(pending)
         return self.preempt
 
     def _data_ran_out(self) -> Callable[[], bool]:
@@ -543,6 +590,7 @@ class BaseTrainer:
         return self.finish if self.exit_reason else self.resume
 
     def _finish_exit(self) -> None:
+        self._decide_signals()  # BUILD failed before the policy was known: held signals are passed on
         iterator, self._data_iter = self._data_iter, None
         self._guarded(partial(close_iterator, iterator))
         if self.exit_reason is None or self._exit_errors:  # a failure, also one in EXIT's own work
@@ -726,6 +774,22 @@ def _share_run_id(run_id: str, attempt: int) -> tuple[str, int]:
     dist.broadcast(shared, src=0)
     number, attempt = (int(v) for v in shared.tolist())
     return f"{number:012x}", attempt
+
+
+def _torchelastic() -> dict[str, Any] | None:
+    """torchrun's attempt: which restart this is (0 for the first launch) of how many allowed."""
+    from trainfsm.distributed import elastic_restart
+
+    restart = elastic_restart()
+    if restart is None:
+        return None
+    env = os.environ
+    maximum = env.get("TORCHELASTIC_MAX_RESTARTS", "")
+    return {
+        "restart_count": restart,
+        "max_restarts": int(maximum) if maximum.isdigit() else None,
+        "run_id": env.get("TORCHELASTIC_RUN_ID"),
+    }
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -118,3 +118,14 @@ def is_distributed_wrapper(model: nn.Module) -> bool:
     if fsdp is None:
         return False
     return isinstance(model, (fsdp.FullyShardedDataParallel, fsdp.FSDPModule))
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel for the first frame outside trainfsm: the user's ``train()`` call
+    (the machine's dispatch lies between the warning and it, at a depth that depends on the caller)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "trainfsm":
+        frame = frame.f_back
+        level += 1
+    return level

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,17 @@ def _count(workspace: Path, name: str) -> int:
     return path.read_bytes().count(b'"event":"' + name.encode() + b'"') if path.exists() else 0
 
 
-def reference(directory: Path, slow: float) -> tuple[list[Any], float]:
-    """The uninterrupted run's final parameters, and how long its training took (RESTORE to EXIT)."""
+@dataclass(frozen=True)
+class Reference:
+    """The uninterrupted run: its final parameters, how long its training took (RESTORE to EXIT)
+    and how long train() took before that (run_start to RESTORE: BUILD)."""
+
+    parameters: list[Any]
+    training: float
+    startup: float
+
+
+def reference(directory: Path, slow: float) -> Reference:
     import torch
 
     out = directory / "reference.pt"
@@ -116,16 +126,16 @@ def reference(directory: Path, slow: float) -> tuple[list[Any], float]:
     if process.returncode != 0:
         raise RuntimeError(f"the uninterrupted run failed:\n{err.decode()}")
     events = _events(directory / "reference")
-    start = next(e["ts"] for e in events if e["event"] == "restore")
-    end = next(e["ts"] for e in events if e["event"] == "exit")
-    return torch.load(out), end - start
+    start, restore, end = (
+        next(e["ts"] for e in events if e["event"] == name) for name in ("run_start", "restore", "exit")
+    )
+    return Reference(torch.load(out), end - restore, restore - start)
 
 
-def trial(
-    directory: Path, expected: list[Any], duration: float, kills: int, rng: random.Random, slow: float
-) -> tuple[bool, str, int]:
+def trial(directory: Path, ref: Reference, kills: int, rng: random.Random, slow: float) -> tuple[bool, str, int]:
     import torch
 
+    expected, duration = ref.parameters, ref.training
     workspace, out = directory / "workspace", directory / "final.pt"
     killed = 0
     while True:
@@ -181,11 +191,11 @@ def repeat(
     passed = failed = total = 0
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
-        expected, duration = reference(base, slow)
+        ref = reference(base, slow)
         for index in range(trials):
             directory = base / f"trial{index}"
             directory.mkdir()
-            ok, detail, sent = one(directory, expected, duration, count, rng, slow)
+            ok, detail, sent = one(directory, ref, count, rng, slow)
             total += sent
             passed += ok
             failed += not ok

@@ -1,12 +1,21 @@
 """Send SIGTERM, SIGUSR1 or SIGINT to a real training process at random moments, then resume.
 
 Each trial runs the deterministic script of ``kill_resume.py`` (its CheckpointingHook exits on
-these three signals), signals it ``--signals`` times at random moments of its training, restarts
-it after each exit, and lets the last run finish. A trial passes when every signalled run exited
-with ``128 + signal``, saved a checkpoint exactly at the step where the signal was agreed, and the
-final parameters are bitwise equal to an uninterrupted run's.
+these three signals), signals it ``--signals`` times at moments drawn uniformly over the whole
+life of ``train()``: from the first line of its trail (``run_start``) to the end, so BUILD (which
+holds the signals until the hook's policy is known), RESTORE, steps, CHECKPOINT and EXIT all get
+their share. It restarts the script after each exit and lets the last run finish. A trial passes
+when every signalled run ended as the rule says:
 
-    python tests/faults/signal_resume.py --trials 200
+- signalled during training: exit ``128 + signal`` with a checkpoint at the agreed step;
+- signalled in BUILD or RESTORE: ``preempt`` to EXIT, exit ``128 + signal``, nothing saved;
+- signalled once training was complete (EXIT, or after ``train()``): exit 0 (the signal is
+  recorded), or killed by it once ``train()`` returned and handed the handlers back;
+- SIGINT before the hook's policy exists: Python's own KeyboardInterrupt, as without trainfsm;
+
+and the final parameters are bitwise equal to an uninterrupted run's.
+
+    python tests/faults/signal_resume.py --trials 200 --signal-names TERM
 
 prints one line per trial and ends with "N passed, N failed"; exit status 1 if any failed.
 """
@@ -18,36 +27,37 @@ import random
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.faults.kill_resume import STEPS, _count, _events, _last_step, _launch, repeat
+from tests.faults.kill_resume import STEPS, Reference, _count, _events, _last_step, _launch, repeat
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def trial(
-    directory: Path, expected: list[Any], duration: float, signals: int, rng: random.Random, slow: float
+    directory: Path, ref: Reference, signals: int, rng: random.Random, slow: float, names: tuple[signal.Signals, ...]
 ) -> tuple[bool, str, int]:
     import torch
 
     workspace, out = directory / "workspace", directory / "final.pt"
     sent = 0
+    where: list[str] = []
     while True:
         attempt = _count(workspace, "run_start")
-        restores = _count(workspace, "restore")
         process = _launch(workspace, out, slow)
         sig = None
         if sent < signals:
-            while process.poll() is None and _count(workspace, "restore") == restores:
-                time.sleep(0.02)
+            while process.poll() is None and _count(workspace, "run_start") == attempt:
+                time.sleep(0.005)
             left = 1.0 - _last_step(workspace) / STEPS
-            time.sleep(rng.uniform(0.0, 0.9 * left * duration))
+            time.sleep(rng.uniform(0.0, ref.startup + left * ref.training))
             if process.poll() is None:
-                sig = rng.choice(SIGNALS)
+                sig = rng.choice(names)
                 process.send_signal(sig)
         _, err = process.communicate(timeout=120)
         if sig is None:
@@ -56,29 +66,61 @@ def trial(
             break
         sent += 1
         mine = [e for e in _events(workspace) if e["attempt"] == attempt]
-        agreed = [e for e in mine if e["event"] == "signal_agreed"]
-        if not agreed:
-            # The run was already leaving (its last step done, or past train() with the handlers
-            # restored, where the default action applies); what it saved is complete either way.
-            if process.returncode not in (0, 128 + sig, -sig):
-                return False, f"{sig.name} at the end: exit {process.returncode}: {err.decode()[-1500:]}", sent
-            if process.returncode == 0 and out.exists():
-                break
-            continue
-        if process.returncode != 128 + sig:
-            return False, f"{sig.name}: exit {process.returncode}, expected {128 + sig}: {err.decode()[-1500:]}", sent
-        saved = [e["saved_step"] for e in mine if e["event"] == "checkpoint_saved"]
-        if not saved or saved[-1] != agreed[0]["agreed_step"]:
-            return False, f"{sig.name}: agreed at step {agreed[0]['agreed_step']}, last save at {saved[-1:]}", sent
+        verdict, place = _judge(mine, sig, process.returncode)
+        if verdict:
+            return False, f"{sig.name} ({place}): {verdict}: {err.decode()[-1500:]}", sent
+        where.append(place)
+        if place == "after training" and process.returncode == 0 and out.exists():
+            break
     final = torch.load(out)
-    if not all(torch.equal(a, b) for a, b in zip(final, expected, strict=True)):
+    if not all(torch.equal(a, b) for a, b in zip(final, ref.parameters, strict=True)):
         return False, "final parameters differ from the uninterrupted run", sent
-    return True, f"{sent} signals", sent
+    return True, f"{sent} signals: {', '.join(where)}", sent
 
 
-def run_trials(trials: int, signals: int, seed: int, slow: float, verbose: bool = True) -> tuple[int, int, int]:
-    """(passed, failed, signals sent) over ``trials`` trials."""
-    return repeat(trial, trials, signals, seed, slow, verbose)
+def _judge(mine: list[dict[str, Any]], sig: signal.Signals, code: int) -> tuple[str, str]:
+    """(what went wrong or "", where the signal landed) for one signalled attempt's trail."""
+    exits = [e for e in mine if e["event"] == "exit"]
+    if not exits:
+        return "the trail has no exit event", "unknown"
+    exit_event = exits[0]
+    agreed = [e for e in mine if e["event"] == "signal_agreed"]
+    saved = [e["saved_step"] for e in mine if e["event"] == "checkpoint_saved"]
+    preempt = [e for e in mine if e["event"] == "transition" and e["trigger"] == "preempt"]
+    if agreed:
+        if code != 128 + sig:
+            return f"exit {code}, expected {128 + sig}", "training"
+        if not saved or saved[-1] != agreed[0]["agreed_step"]:
+            return f"agreed at step {agreed[0]['agreed_step']}, last save at {saved[-1:]}", "training"
+        return "", "training"
+    if preempt:
+        place = preempt[0]["source"]
+        if code != 128 + sig or (exit_event["reason"], exit_event["code"]) != ("preempted", 128 + sig):
+            return f"exit {code} ({exit_event['reason']}), expected {128 + sig} (preempted)", place
+        if saved:
+            return f"saved {saved} before any step", place
+        if not any(e["event"] == "signal_received" and e["signal"] == sig.name for e in mine):
+            return "no signal_received event", place
+        return "", place
+    if exit_event["reason"] == "completed":
+        # Training was done: the signal came in EXIT (recorded, exit 0) or after train() returned.
+        return ("" if code in (0, -sig) else f"exit {code} after a completed run"), "after training"
+    interrupted = [e for e in mine if e["event"] == "exception" and e["type"] == "KeyboardInterrupt"]
+    if sig == signal.SIGINT and interrupted and interrupted[0]["state"] == "BUILD":
+        return ("" if code in (1, -signal.SIGINT) else f"exit {code} after KeyboardInterrupt"), "BUILD (Ctrl-C)"
+    return f"exit {code}, trail ends {exit_event['reason']} without agreement or preempt", "unknown"
+
+
+def run_trials(
+    trials: int,
+    signals: int,
+    seed: int,
+    slow: float,
+    verbose: bool = True,
+    names: tuple[signal.Signals, ...] = SIGNALS,
+) -> tuple[int, int, int]:
+    """(passed, failed, signals sent) over ``trials`` trials, each signal drawn from ``names``."""
+    return repeat(partial(trial, names=names), trials, signals, seed, slow, verbose)
 
 
 def main() -> None:
@@ -87,8 +129,10 @@ def main() -> None:
     parser.add_argument("--signals", type=int, default=2, help="signals per trial before it may finish")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slow", type=float, default=0.03, help="seconds added to each checkpoint file's write")
+    parser.add_argument("--signal-names", default="TERM,USR1,INT", help="the signals to draw from, e.g. TERM")
     args = parser.parse_args()
-    passed, failed, sent = run_trials(args.trials, args.signals, args.seed, args.slow)
+    names = tuple(signal.Signals[f"SIG{name}"] for name in args.signal_names.split(","))
+    passed, failed, sent = run_trials(args.trials, args.signals, args.seed, args.slow, names=names)
     print(f"{sent} signals sent")
     print(f"{passed} passed, {failed} failed")
     sys.exit(1 if failed else 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -87,3 +88,106 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(
     expected = uninterrupted(tmp_path)
     assert final.keys() == expected.keys()
     assert all(torch.equal(final[k], expected[k]) for k in final)
+
+
+def test_a_job_signalled_while_still_in_build_is_requeued_and_completes(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """``scancel --batch --signal=USR1`` during a slow ``build_model``: the policy is not known yet
+    (it comes from the checkpoint hook), the signal is held, BUILD takes ``preempt``, the job is
+    requeued exactly as after a preemption during training, and the next attempt completes."""
+    script = ROOT / "tests" / "faults" / "early_signal.py"
+    workspace, marker = tmp_path / "run", tmp_path / "in_build"
+    sbatch = tmp_path / "early.sbatch"
+    sbatch.write_text(
+        "#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
+        'exec "$PYTHON" tests/faults/early_signal.py --workspace "$WORKSPACE" --out "$WORKSPACE/final.pt" '
+        '--slow-in build_model --slow 3 --marker "$MARKER"\n'
+    )
+    env = {"PYTHON": sys.executable, "WORKSPACE": str(workspace), "MARKER": str(marker)}
+    options = ["--chdir", str(ROOT), "--output", str(tmp_path / "slurm-%j.out")]
+    job_id = slurm_cluster.sbatch(sbatch, options=options, env=env)
+
+    wait_for(marker.exists, 60, f"the job to reach build_model\n{slurm_cluster.logs()}")
+    slurm_cluster.scancel(job_id, "--batch", "--signal=USR1")
+    wait_for(
+        lambda: any(e["event"] == "exit" and e["attempt"] == 1 for e in events(workspace)),
+        120,
+        f"the requeued attempt to finish\n{slurm_cluster.logs()}",
+    )
+    job = slurm_cluster.wait_state(job_id, "COMPLETED", timeout=60)
+    assert job["Restarts"] == "1"
+    trail = events(workspace)
+    first = [e for e in trail if e["attempt"] == 0]
+    received = next(e for e in first if e["event"] == "signal_received")
+    assert (received["signal"], received["at_state"]) == ("SIGUSR1", "BUILD")
+    preempt = next(e for e in first if e["event"] == "transition" and e["trigger"] == "preempt")
+    assert preempt["source"] == "BUILD"
+    requeue = next(e for e in first if e["event"] == "requeue")
+    assert requeue["ok"] and requeue["command"] == f"scontrol requeue {job_id}"
+    assert (first[-1]["event"], first[-1]["reason"], first[-1]["code"]) == ("exit", "preempted", 138)
+    assert not [e for e in first if e["event"] == "checkpoint_saved"]
+
+    second = [e for e in trail if e["attempt"] == 1]
+    assert next(e for e in second if e["event"] == "run_start")["slurm"]["restart_count"] == 1
+    assert next(e for e in second if e["event"] == "exit")["reason"] == "completed"
+    straight = tmp_path / "straight"
+    command = [sys.executable, str(script), "--workspace", str(straight), "--out", str(straight / "final.pt")]
+    subprocess.run(command, check=True, capture_output=True, timeout=300, cwd=ROOT)
+    final, expected = torch.load(workspace / "final.pt"), torch.load(straight / "final.pt")
+    assert all(torch.equal(a, b) for a, b in zip(final, expected, strict=True))
+
+
+def test_a_torchrun_job_signalled_as_the_guide_says_is_requeued_and_resumes_exactly(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """examples/slurm/torchrun.sbatch (``exec torchrun`` forwarding SIGUSR1): both ranks agree on a
+    step, checkpoint, rank 0 requeues, the second attempt resumes and completes; the audit is clean."""
+    from tests.distributed.launch import audit_problems, free_port
+
+    workspace = tmp_path / "run"
+    args = ("--steps", "150", "--interval", "1000", "--step-seconds", "0.02", "--timeout", "30")
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    env = {"TORCHRUN": torchrun, "WORKSPACE": str(workspace)}
+    options = ["--chdir", str(ROOT), "--output", str(tmp_path / "slurm-%j.out")]
+    job_id = slurm_cluster.sbatch(ROOT / "examples" / "slurm" / "torchrun.sbatch", *args, options=options, env=env)
+
+    def training(rank: int) -> bool:
+        path = workspace / "logs" / f"events.rank{rank}.jsonl"
+        return path.exists() and b'"event":"restore"' in path.read_bytes()
+
+    wait_for(lambda: training(0) and training(1), 90, f"both ranks to train\n{slurm_cluster.logs()}")
+    time.sleep(0.5)
+    slurm_cluster.scancel(job_id, "--batch", "--signal=USR1")
+    job = slurm_cluster.wait_state(job_id, "COMPLETED", timeout=240)
+    output = next(tmp_path.glob("slurm-*.out")).read_text(errors="replace")
+    assert job["Restarts"] == "1", output[-3000:]
+
+    agreed = set()
+    for rank in (0, 1):
+        trail = [
+            json.loads(line) for line in (workspace / "logs" / f"events.rank{rank}.jsonl").read_text().splitlines()
+        ]
+        first = [e for e in trail if e["attempt"] == 0]
+        second = [e for e in trail if e["attempt"] == 1]
+        assert next(e for e in first if e["event"] == "signal_received")["signal"] == "SIGUSR1"
+        agreed.add(next(e for e in first if e["event"] == "signal_agreed")["agreed_step"])
+        assert (first[-1]["event"], first[-1]["reason"], first[-1]["code"]) == ("exit", "preempted", 138)
+        assert (second[-1]["event"], second[-1]["reason"]) == ("exit", "completed"), output[-3000:]
+        assert next(e for e in second if e["event"] == "run_start")["slurm"]["restart_count"] == 1
+        if rank == 0:
+            requeue = next(e for e in first if e["event"] == "requeue")
+            assert requeue["ok"] and requeue["command"] == f"scontrol requeue {job_id}"
+            loaded = next(e for e in second if e["event"] == "checkpoint_loaded")
+    (step,) = agreed
+    assert loaded["from_step"] == step
+    assert audit_problems(workspace) == []
+
+    straight = tmp_path / "straight"
+    command = [torchrun, "--rdzv-backend", "static", "--master-port", str(free_port()), "--nproc-per-node", "2"]
+    command += ["examples/ddp.py", "--workspace", str(straight), *args]
+    subprocess.run(
+        command, check=True, capture_output=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    final, expected = torch.load(workspace / "final.pt"), torch.load(straight / "final.pt")
+    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)

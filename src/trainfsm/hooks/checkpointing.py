@@ -16,8 +16,9 @@ import torch
 
 from trainfsm import data_state, rng
 from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore, check_fits, describe_file
+from trainfsm.events import notice
 from trainfsm.hooks.base import BaseHook
-from trainfsm.signals import exit_policy
+from trainfsm.signals import DEFAULT_EXIT_SIGNALS, exit_policy
 from trainfsm.utils import map_nested_tensor
 from trainfsm.validation import int_at_least
 
@@ -35,8 +36,10 @@ class CheckpointingHook(BaseHook):
 
     ``exit_signals`` / ``exit_code`` / ``exit_wait``: on one of these signals, finish the current
     optimizer step, checkpoint, and exit with ``128 + signal`` (or ``exit_code``) after ``exit_wait``
-    seconds. ``requeue`` (``"auto"``: inside a SLURM batch job) puts the SLURM job back in the queue
-    once the checkpoint is durable, at most ``max_requeues`` times (counted by SLURM_RESTART_COUNT).
+    seconds. By default (None) SIGTERM and SIGUSR1, what schedulers send before a kill: a run is
+    preemption-safe without asking (``trainloop``'s hook handles none by default); ``[]`` handles none.
+    ``requeue`` (``"auto"``: inside a SLURM batch job) puts the SLURM job back in the queue once
+    the checkpoint is durable, at most ``max_requeues`` times (counted by SLURM_RESTART_COUNT).
     ``data_resume`` says how the data iterator gets back to where it was (see ``trainfsm.data_state``).
     ``async_save`` stages the state to CPU memory and writes it on a background thread while
     training goes on: at most one save in flight, a failure raises at the next step or at EXIT, and
@@ -91,6 +94,8 @@ class CheckpointingHook(BaseHook):
         if load is not None and not isinstance(load, (str, Path)):
             raise TypeError(f"CheckpointingHook load must be 'latest', a path or None; got {load!r}.")
         self.load = load
+        if exit_signals is None:
+            exit_signals = list(DEFAULT_EXIT_SIGNALS)
         self.exit_policy = exit_policy(
             "CheckpointingHook", exit_signals, exit_code, exit_wait, requeue=requeue, max_requeues=max_requeues
         )
@@ -224,6 +229,8 @@ class CheckpointingHook(BaseHook):
             sharded=sharded,
             **({"saved_world_size": manifest.get("world_size")} if sharded else {}),
         )
+        if trainer.rank == 0:
+            notice(trainer.logger, f"resumed from checkpoint {trainer.step} ({path})")
 
     def _load_sharded(self, trainer: BaseTrainer, path: Path, state: dict[str, Any], current: dict[str, Any]) -> None:
         """Model and optimizer in place with DCP (each rank reads what its shards need, whatever the
@@ -447,6 +454,11 @@ class CheckpointingHook(BaseHook):
         )
         if saved.pruned:
             trainer.audit.info("checkpoint_pruned", paths=[str(c.path) for c in saved.pruned])
+        if trainer.exit_reason == "preempted" and trainer.rank == 0:
+            notice(
+                trainer.logger,
+                f"preempted: checkpoint {saved.path.name} saved ({saved.path}); exiting {trainer.exit_code}",
+            )
 
     def _settle(self, trainer: BaseTrainer, wait: bool) -> None:
         """Report a finished asynchronous save; with ``wait``, wait for it. A failed save raises here:

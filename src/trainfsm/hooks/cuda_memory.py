@@ -15,13 +15,13 @@ from then on its per-step method only returns.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
 from trainfsm.hooks.base import BaseHook
+from trainfsm.utils import user_stacklevel
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -47,7 +47,7 @@ class CudaMaxMemoryHook(BaseHook):
                 f"CudaMaxMemoryHook: the trainer runs on {device}, not on CUDA, so step_info['max_memory'] "
                 f"is not set. Train on a CUDA device or leave the hook out."
             )
-            warnings.warn(message, CudaMemoryUnavailableWarning, stacklevel=_user_stacklevel())
+            warnings.warn(message, CudaMemoryUnavailableWarning, stacklevel=user_stacklevel())
             trainer.audit.warning("cuda_memory_unavailable", device=str(device))
             return
         self.device = device
@@ -62,14 +62,3 @@ class CudaMaxMemoryHook(BaseHook):
 
 
 CUDAMaxMemoryHook = CudaMaxMemoryHook  # the other published spelling
-
-
-def _user_stacklevel() -> int:
-    """``warnings.warn``'s stacklevel for the first frame outside trainfsm: the user's ``train()`` call
-    (the machine's dispatch lies between this hook and it)."""
-    frame = sys._getframe(1)
-    level = 1
-    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "trainfsm":
-        frame = frame.f_back
-        level += 1
-    return level
