@@ -138,6 +138,7 @@ class RankAttempt:
     file: str
     run_id: str | None = None
     world_size: int | None = None
+    torchelastic: dict[str, Any] | None = None  # run_start's: torchrun's restart count, max restarts
     events: int = 0
     start: str | None = None
     resumed_from_step: int | None = None
@@ -272,6 +273,8 @@ class _Replay:
         data = record.data
         self.result.run_id = str(data.get("run_id", ""))  # also marks that run_start was seen
         self.result.world_size = data.get("world_size")
+        elastic = data.get("torchelastic")
+        self.result.torchelastic = elastic if isinstance(elastic, dict) else None
 
     def _restore(self, record: Record) -> None:
         data = record.data
@@ -389,6 +392,21 @@ class AttemptReport:
     def killed(self) -> bool:
         return any(r.exit is None for r in self.ranks)
 
+    def ended(self) -> str:
+        """How every rank's attempt ended, in words: ``rank 0 killed (...), rank 1 failed (...)``."""
+        parts = []
+        for r in self.ranks:
+            if r.exit is None:
+                parts.append(
+                    f"rank {r.rank} killed (no exit event; its trail ends in {r.end_state} at step {r.end_step})"
+                )
+                continue
+            text = f"rank {r.rank} {r.exit['reason']} (code {r.exit['code']}"
+            if r.exit["reason"] == "failed" and r.exceptions:
+                text += f", {r.exceptions[0]['type']}: {_first_line(r.exceptions[0]['message'])[:80]}"
+            parts.append(text + ")")
+        return ", ".join(parts)
+
     def as_dict(self) -> dict[str, Any]:
         first = self.first
         return {
@@ -414,6 +432,8 @@ class AttemptReport:
             "exceptions": [e for r in self.ranks for e in r.exceptions],
             "requeue": first.requeue,
             "exit": first.exit,
+            "ended": self.ended(),
+            "torchelastic": first.torchelastic,
             "killed": self.killed,
             "end": {"state": first.end_state, "step": first.end_step},
             "started_at": min(r.started_at for r in self.ranks),
@@ -638,9 +658,11 @@ def render(report: AuditReport) -> str:
         f"{_plural(len(report.files), 'file')} ({_plural(len(ranks), 'rank')}), "
         f"{_plural(len(report.attempts), 'attempt')}, {_plural(events, 'event')}"
     ]
+    previous = None
     for attempt in report.attempts:
         lines.append("")
-        lines.extend(_render_attempt(attempt))
+        lines.extend(_render_attempt(attempt, previous))
+        previous = attempt
     if report.notes:
         lines.append("")
         lines.append("notes:")
@@ -657,7 +679,7 @@ def render(report: AuditReport) -> str:
     return "\n".join(lines)
 
 
-def _render_attempt(attempt: AttemptReport) -> list[str]:
+def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = None) -> list[str]:
     data = attempt.as_dict()
     first = attempt.first
     how = {"launch": "launch", "resume": f"resume from step {first.resumed_from_step}", None: "start unknown"}
@@ -665,6 +687,13 @@ def _render_attempt(attempt: AttemptReport) -> list[str]:
     ranks = data["ranks"]
     rank_text = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     lines = [f"attempt {attempt.attempt}: {how[first.start]}, {rank_text}, {seconds:.2f} s"]
+    if previous is not None and first.torchelastic and first.torchelastic.get("restart_count"):
+        elastic = first.torchelastic
+        limit = f" of at most {elastic['max_restarts']}" if elastic.get("max_restarts") is not None else ""
+        lines.append(
+            f"  torchrun restart {elastic['restart_count']}{limit}, after attempt {previous.attempt} ended: "
+            f"{previous.ended()}"
+        )
     steps = f"steps {first.first_step}-{first.last_step}" if first.steps_done else "no steps"
     retries = ", ".join(f"step {x['step']} (#{x['retry']})" for x in first.retries) or "none"
     lines.append(
@@ -680,7 +709,9 @@ def _render_attempt(attempt: AttemptReport) -> list[str]:
     )
     if first.requeue is not None:
         lines.append(f"  requeue: {'done' if first.requeue['ok'] else 'FAILED'}: {first.requeue['message']}")
-    if first.exit is not None:
+    if len(attempt.ranks) > 1 and len({(r.exit or {}).get("reason") for r in attempt.ranks}) > 1:
+        lines.append(f"  ended: {attempt.ended()}")  # the ranks ended differently
+    elif first.exit is not None:
         lines.append(f"  exit: {first.exit['reason']}, code {first.exit['code']}")
     else:
         lines.append(f"  exit: none (killed?) - the trail ends in {first.end_state} at step {first.end_step}")

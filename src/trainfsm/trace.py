@@ -163,4 +163,7 @@ def _next_attempt(report: AuditReport, number: int) -> str:
         ending = f"it ended {exit['reason']} at step {first.end_step}"
     else:
         ending = f"it has no exit event either (killed?), last seen at step {first.end_step}"
+    elastic = first.torchelastic
+    if elastic and elastic.get("restart_count"):
+        what = f"(torchrun restart {elastic['restart_count']}) {what}"
     return f"next: attempt {following.attempt} {what}{skipped}; {ending}"

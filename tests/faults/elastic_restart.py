@@ -39,8 +39,15 @@ HERE = Path(__file__).resolve()
 STEPS, INTERVAL, STEP_SECONDS = 40, 10, 0.03
 
 
-def child(workspace: Path, raise_at: int) -> None:
-    """One torchrun worker: examples/ddp.py's trainer; rank 1 raises at ``raise_at`` in attempt 0."""
+INITS = ("trainfsm", "tcp", "env")
+
+
+def child(workspace: Path, raise_at: int, init: str = "trainfsm") -> None:
+    """One torchrun worker: examples/ddp.py's trainer; rank 1 raises at ``raise_at`` in attempt 0.
+
+    ``init`` sets up the group: ``trainfsm`` with ``init_distributed`` (a store prefix per restart);
+    for comparison ``tcp`` as ``init_distributed`` did before it (``tcp://MASTER_ADDR:MASTER_PORT``)
+    and ``env`` with a plain ``init_process_group("gloo")``."""
     from datetime import timedelta
 
     import torch
@@ -57,7 +64,17 @@ def child(workspace: Path, raise_at: int) -> None:
                 raise RuntimeError(f"injected failure at step {raise_at}")
             return super().forward(input)
 
-    layout = init_distributed("gloo", timeout=timedelta(seconds=30))
+    if init == "trainfsm":
+        layout = init_distributed("gloo", timeout=timedelta(seconds=30))
+    else:
+        from trainfsm.distributed import read_env
+
+        layout = read_env()
+        assert layout is not None
+        where = f"tcp://{layout.master_addr}:{layout.master_port}" if init == "tcp" else "env://"
+        torch.distributed.init_process_group(
+            "gloo", init_method=where, rank=layout.rank, world_size=layout.world_size, timeout=timedelta(seconds=30)
+        )
     trainer = Faulty(layout, INTERVAL, STEP_SECONDS, max_steps=STEPS, workspace=workspace, device="cpu")
     trainer.train()
     torch.distributed.barrier()
@@ -67,7 +84,7 @@ def child(workspace: Path, raise_at: int) -> None:
     cleanup_distributed()
 
 
-def torchrun(workspace: Path, standalone: bool, raise_at: int, log: Path) -> Any:
+def torchrun(workspace: Path, standalone: bool, raise_at: int, log: Path, init: str = "trainfsm") -> Any:
     import subprocess
 
     launcher = Path(sys.executable).with_name("torchrun")
@@ -84,7 +101,7 @@ def torchrun(workspace: Path, standalone: bool, raise_at: int, log: Path) -> Any
         "--monitor-interval",
         "0.1",
     ]
-    command += [str(HERE), "--child", "--workspace", str(workspace), "--raise-at", str(raise_at)]
+    command += [str(HERE), "--child", "--workspace", str(workspace), "--raise-at", str(raise_at), "--init", init]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     with open(log, "wb") as out:  # a file, not a pipe nobody reads
@@ -137,7 +154,9 @@ def reference(directory: Path) -> tuple[list[Any], float]:
     return torch.load(directory / "workspace" / "final.pt"), end - start
 
 
-def trial(directory: Path, expected: list[Any], duration: float, fault: str, rng: random.Random, index: int) -> str:
+def trial(
+    directory: Path, expected: list[Any], duration: float, fault: str, rng: random.Random, index: int, init: str
+) -> str:
     """ "" when the trial passed, else what went wrong."""
     import torch
 
@@ -145,7 +164,7 @@ def trial(directory: Path, expected: list[Any], duration: float, fault: str, rng
     standalone = index % 2 == 1
     raise_at = rng.randint(2, STEPS - 2) if fault == "raise" else -1
     log = directory / "torchrun.log"
-    process = torchrun(workspace, standalone, raise_at, log)
+    process = torchrun(workspace, standalone, raise_at, log, init)
     try:
         if fault == "kill":
             deadline = time.monotonic() + 120
@@ -174,10 +193,19 @@ def trial(directory: Path, expected: list[Any], duration: float, fault: str, rng
     final = torch.load(workspace / "final.pt")
     if not all(torch.equal(a, b) for a, b in zip(final, expected, strict=True)):
         return "final parameters differ from the uninterrupted run"
+    from trainfsm import audit, trace
+
+    text = audit.render(audit.audit([workspace]))
+    if "torchrun restart 1 of at most 2, after attempt 0 ended: rank 0 " not in text:
+        return f"the audit does not show the restart and how attempt 0 ended:\n{text}"
+    if "(torchrun restart 1)" not in trace.render(trace.trace([workspace])):
+        return "the trace does not name the restart"
     return ""
 
 
-def run_trials(trials: int, seed: int, fault: str = "kill", verbose: bool = True) -> tuple[int, int]:
+def run_trials(
+    trials: int, seed: int, fault: str = "kill", verbose: bool = True, init: str = "trainfsm"
+) -> tuple[int, int]:
     rng = random.Random(seed)
     passed = failed = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,7 +215,7 @@ def run_trials(trials: int, seed: int, fault: str = "kill", verbose: bool = True
         for index in range(trials):
             directory = base / f"trial{index}"
             directory.mkdir()
-            problem = trial(directory, expected, duration, fault, rng, index)
+            problem = trial(directory, expected, duration, fault, rng, index, init)
             passed += not problem
             failed += bool(problem)
             if verbose:
@@ -206,11 +234,12 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workspace", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--raise-at", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--init", choices=INITS, default="trainfsm", help="how the workers set up the group")
     args = parser.parse_args()
     if args.child:
-        child(args.workspace, args.raise_at)
+        child(args.workspace, args.raise_at, args.init)
         return
-    passed, failed = run_trials(args.trials, args.seed, args.fault)
+    passed, failed = run_trials(args.trials, args.seed, args.fault, init=args.init)
     print(f"{passed} passed, {failed} failed")
     sys.exit(1 if failed else 0)
 
