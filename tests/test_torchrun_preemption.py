@@ -140,5 +140,26 @@ def test_sigkill_of_one_rank_under_max_restarts_ends_in_a_restarted_group_that_c
 def test_an_exception_on_one_rank_under_max_restarts_ends_in_a_restarted_group_that_completes_exactly(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    passed, failed = elastic_restart.run_trials(trials=2, seed=20261125, fault="raise")
-    assert (passed, failed) == (2, 0), capsys.readouterr().out
+    passed, failed = elastic_restart.run_trials(trials=5, seed=20261125, fault="raise")
+    assert (passed, failed) == (5, 0), capsys.readouterr().out
+
+
+def test_a_rank_failing_at_every_attempt_stops_after_max_restarts_with_the_failure_named(tmp_path: Path) -> None:
+    from trainfsm import trace
+
+    workspace, log = tmp_path / "ws", tmp_path / "log"
+    process = elastic_restart.torchrun(workspace, False, 3, log, "trainfsm", "--every-attempt")
+    try:
+        code = process.wait(timeout=240)
+    finally:
+        elastic_restart.reap(process)
+    output = log.read_text(errors="replace")
+    assert code == 1, output[-3000:]
+    assert "injected failure at step 3" in output  # torchrun's summary shows the failed rank's error
+    for rank in (0, 1):
+        starts = [e for e in events(workspace, rank) if e["event"] == "run_start"]
+        assert [e["torchelastic"]["restart_count"] for e in starts] == [0, 1, 2]  # --max-restarts 2
+    failures = [e for e in events(workspace, 1) if e["event"] == "exception"]
+    assert [(e["attempt"], e["message"]) for e in failures] == [(a, "injected failure at step 3") for a in range(3)]
+    text = trace.render(trace.trace([workspace]))
+    assert text.count("cause: rank 1 at step 3 (ACCUMULATE): RuntimeError: injected failure at step 3") == 3, text

@@ -42,8 +42,9 @@ STEPS, INTERVAL, STEP_SECONDS = 40, 10, 0.03
 INITS = ("trainfsm", "tcp", "env")
 
 
-def child(workspace: Path, raise_at: int, init: str = "trainfsm") -> None:
-    """One torchrun worker: examples/ddp.py's trainer; rank 1 raises at ``raise_at`` in attempt 0.
+def child(workspace: Path, raise_at: int, init: str = "trainfsm", every_attempt: bool = False) -> None:
+    """One torchrun worker: examples/ddp.py's trainer; rank 1 raises at ``raise_at`` in attempt 0
+    (in every attempt with ``every_attempt``).
 
     ``init`` sets up the group: ``trainfsm`` with ``init_distributed`` (a store prefix per restart);
     for comparison ``tcp`` as ``init_distributed`` did before it (``tcp://MASTER_ADDR:MASTER_PORT``)
@@ -60,7 +61,7 @@ def child(workspace: Path, raise_at: int, init: str = "trainfsm") -> None:
     class Faulty(DDPTrainer):  # type: ignore[misc]
         def forward(self, input: Any) -> Any:
             first = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
-            if first and self.rank == 1 and self.step == raise_at:
+            if (first or every_attempt) and self.rank == 1 and self.step == raise_at:
                 raise RuntimeError(f"injected failure at step {raise_at}")
             return super().forward(input)
 
@@ -84,7 +85,9 @@ def child(workspace: Path, raise_at: int, init: str = "trainfsm") -> None:
     cleanup_distributed()
 
 
-def torchrun(workspace: Path, standalone: bool, raise_at: int, log: Path, init: str = "trainfsm") -> Any:
+def torchrun(
+    workspace: Path, standalone: bool, raise_at: int, log: Path, init: str = "trainfsm", *child_args: str
+) -> Any:
     import subprocess
 
     launcher = Path(sys.executable).with_name("torchrun")
@@ -102,8 +105,9 @@ def torchrun(workspace: Path, standalone: bool, raise_at: int, log: Path, init: 
         "0.1",
     ]
     command += [str(HERE), "--child", "--workspace", str(workspace), "--raise-at", str(raise_at), "--init", init]
+    command += child_args
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     with open(log, "wb") as out:  # a file, not a pipe nobody reads
         return subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -235,9 +239,10 @@ def main() -> None:
     parser.add_argument("--workspace", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--raise-at", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--init", choices=INITS, default="trainfsm", help="how the workers set up the group")
+    parser.add_argument("--every-attempt", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.workspace, args.raise_at, args.init)
+        child(args.workspace, args.raise_at, args.init, args.every_attempt)
         return
     passed, failed = run_trials(args.trials, args.seed, args.fault, init=args.init)
     print(f"{passed} passed, {failed} failed")
