@@ -69,11 +69,11 @@ class FlakyTrainer(BaseTrainer):
 
 
 class CountRetries(BaseHook):
-    """Adds up ``step_info["non_finite_grad_retries"]`` (how often each applied step was re-run)."""
+    """Adds up ``step_info["non_finite_grad_retry_count"]`` (how often each applied step was re-run)."""
 
     def on_after_step(self, trainer: BaseTrainer) -> None:
         if isinstance(trainer, FlakyTrainer):
-            trainer.retries += int(trainer.step_info.get("non_finite_grad_retries", 0))
+            trainer.retries += int(trainer.step_info.get("non_finite_grad_retry_count", 0))
 
 
 def retry_transitions(trail: Path) -> list[dict[str, Any]]:

@@ -70,8 +70,9 @@ class PrintLoss(BaseHook):
         if trainer.step % self.interval == 0:
             info = trainer.step_info
             print(
-                f"step {trainer.step:4d}/{trainer.max_steps}  loss {float(info['loss']):.4f}  "
-                f"accuracy {float(info['records']['accuracy']):.3f}"
+                # one entry per micro-batch (one here); float() reads the device: only when printing
+                f"step {trainer.step:4d}/{trainer.max_steps}  loss {float(info['loss'][-1]):.4f}  "
+                f"accuracy {float(info['records'][-1]['accuracy']):.3f}"
             )
 
 

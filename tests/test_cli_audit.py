@@ -124,7 +124,8 @@ def test_json_schema_is_the_documented_one(tmp_path: Path, capsys: pytest.Captur
     assert set(attempt) == {
         "attempt", "ranks", "start", "resumed_from_step", "first_step", "last_step", "steps_done",
         "micro_batches", "loss_none", "retries", "scaler_skips", "checkpoint_steps", "checkpoints",
-        "signals", "exceptions", "requeue", "exit", "killed", "end", "started_at", "ended_at", "per_rank",
+        "signals", "exceptions", "requeue", "exit", "ended", "torchelastic", "killed", "end", "started_at",
+        "ended_at", "per_rank",
     }  # fmt: skip
     assert set(attempt["checkpoints"]) == {"saved", "loaded", "skipped", "failed"}
     assert set(attempt["checkpoints"]["saved"][0]) == {"step", "path", "kept", "asynchronous", "bytes"}

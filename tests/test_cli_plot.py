@@ -77,9 +77,10 @@ def test_logging_hook_metrics_in_the_trail_give_loss_and_learning_rate_curves(tm
     trainer = run(tmp_path / "run", steps=6, interval=3, hooks=[LoggingHook(interval=2)])
     metrics = [e for e in read_lines(trail(tmp_path / "run")) if e["event"] == "metrics"]
     assert [e["step"] for e in metrics] == [2, 4, 6]
-    assert metrics[-1]["values"]["lr_0"] == trainer.lr and metrics[-1]["values"]["loss"] > 0
+    values = metrics[-1]["values"]
+    assert values["train/lr/group_0"] == trainer.lr and values["train/loss"] > 0  # LoggingHook's keys, joined
     result = plot([tmp_path / "run"], tmp_path / "run.png")
-    assert "loss" in result.metrics and "lr_0" in result.metrics
+    assert "loss" in result.metrics and "lr/group_0" in result.metrics
     assert _png_size(tmp_path / "run.png") == (1200, 580)
 
 

@@ -59,6 +59,15 @@ def test_demo_command_writes_checkpoints_and_audit_trail(tmp_path: Path) -> None
     assert "step   30/30" in result.stderr  # the progress line, through logging
 
 
+def test_demo_trail_gives_plot_its_loss_and_learning_rate_curves(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from trainfsm.plot import plot
+
+    demo.run(tmp_path, steps=20, log_every=5)
+    result = plot([tmp_path], tmp_path / "run.png")
+    assert result.metrics == ["loss", "lr/group_0"]
+
+
 def test_demo_default_steps_learn_the_digits_and_a_rerun_resumes(tmp_path: Path) -> None:
     first = demo.run(tmp_path, log_every=1000)
     assert first.step == demo.DEFAULT_STEPS and first.start_step == 0 and first.exit_reason == "completed"

@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tests.helpers import RecordingHook, TinyTrainer, make_batches
-from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
+from trainfsm import BaseHook, BaseTrainer, CheckpointingHook, key_average
 from trainfsm.hooks.logging_hook import LoggingHook
 from trainfsm.hooks.progress import ProgressHook, clock_format
 
@@ -55,13 +55,13 @@ class StepRecorder(BaseHook):
         self.steps.append(
             {
                 "step": trainer.step,
-                "loss": float(info["loss"]),
+                "loss": mean([float(loss) for loss in info["loss"]]),  # the step's micro-batches
                 "grad_norm": None if grad_norm is None else float(grad_norm),
-                "data_time": info["data_time"],
+                "data_time": sum(info["data_time"]),
                 "step_time": info["step_time"],
-                "retries": info["non_finite_grad_retries"],
+                "retries": info["non_finite_grad_retry_count"],
                 "lrs": self._lrs,
-                "records": copy.deepcopy(info["records"]),
+                "records": copy.deepcopy(key_average(info["records"])),
             }
         )
 
@@ -268,22 +268,24 @@ def test_logging_hook_logs_interval_averages_at_exact_steps_and_the_tail(
 
     assert [step for step, _ in recorder.logs] == [3, 6, 7]
     for (_, logged), group in zip(recorder.logs, intervals(recorder.steps, [3, 6, 7]), strict=True):
+        assert list(logged) == ["train"]
+        logged = logged["train"]
         assert list(logged) == [
             "loss",
+            "m",
             "grad_norm",
             "data_time",
             "step_time",
-            "non_finite_grad_retries",
-            "lr_0",
-            "m",
-        ]
-        assert all(type(v) is float for k, v in logged.items() if k != "m")
+            "non_finite_grad_retry_count",
+            "lr",
+        ]  # the user's records first, then the stats (trainloop's order): "loss" was a record too
+        assert all(type(v) is float for k, v in logged.items() if k not in ("m", "lr"))
         assert logged["loss"] == pytest.approx(mean([s["loss"] for s in group]), rel=1e-12)
         assert logged["grad_norm"] == pytest.approx(mean([s["grad_norm"] for s in group]), rel=1e-12)
         assert logged["data_time"] == pytest.approx(mean([s["data_time"] for s in group]), rel=1e-12)
         assert logged["step_time"] == pytest.approx(mean([s["step_time"] for s in group]), rel=1e-12)
-        assert logged["non_finite_grad_retries"] == 0.0
-        assert logged["lr_0"] == 0.1  # exactly: a constant rate averages to itself
+        assert logged["non_finite_grad_retry_count"] == 0.0
+        assert logged["lr"] == {"group_0": 0.1}  # the rate the interval's last step used
         assert logged["m"] == {"batch": pytest.approx(mean([s["records"]["m"]["batch"] for s in group]))}
 
 
@@ -299,7 +301,8 @@ def test_logging_hook_user_records_stay_nested_and_win_a_name_clash(
     Trainer(workspace=None, max_steps=2, hooks=[recorder, LoggingHook(interval=2)]).train()
     ((step, logged),) = recorder.logs
     assert step == 2
-    assert logged["loss"] == 42.0
+    logged = logged["train"]
+    assert logged["loss"] == pytest.approx(mean([s["loss"] for s in recorder.steps]), rel=1e-12)  # the stat wins
     assert logged["metrics"] == {"acc": 0.5, "deep": {"x": 1.0}}  # tensors averaged, then one host copy
 
 
@@ -313,9 +316,13 @@ def test_logging_hook_counts_retries_per_step(make_trainer: Callable[..., TinyTr
     )
     trainer.train()
     assert [s["retries"] for s in recorder.steps] == [0, 2, 0, 0]
-    assert [(step, logged["non_finite_grad_retries"]) for step, logged in recorder.logs] == [(2, 1.0), (4, 0.0)]
+    assert [(step, logged["train"]["non_finite_grad_retry_count"]) for step, logged in recorder.logs] == [
+        (2, 1.0),
+        (4, 0.0),
+    ]
     # Step 2's loss is the loss of the attempt that stepped (forward call 4), not a NaN one.
-    assert recorder.logs[0][1]["loss"] == pytest.approx((trainer.losses[0] + trainer.losses[3]) / 2, rel=1e-12)
+    first = recorder.logs[0][1]["train"]["loss"]
+    assert first == pytest.approx((trainer.losses[0] + trainer.losses[3]) / 2, rel=1e-12)
 
 
 def test_logging_hook_logs_the_partial_interval_when_a_hook_stops_training(
@@ -326,7 +333,7 @@ def test_logging_hook_logs_the_partial_interval_when_a_hook_stops_training(
     make_trainer(max_steps=100, hooks=[recorder, LoggingHook(interval=3), stopper]).train()
     assert [step for step, _ in recorder.logs] == [3, 5]
     tail = recorder.steps[3:5]
-    assert recorder.logs[1][1]["loss"] == pytest.approx(mean([s["loss"] for s in tail]), rel=1e-12)
+    assert recorder.logs[1][1]["train"]["loss"] == pytest.approx(mean([s["loss"] for s in tail]), rel=1e-12)
 
 
 def test_logging_hook_with_gradient_accumulation_averages_micro_batch_records(
@@ -335,10 +342,11 @@ def test_logging_hook_with_gradient_accumulation_averages_micro_batch_records(
     recorder = StepRecorder()
     make_trainer(max_steps=2, gradient_accumulation_steps=2, hooks=[recorder, LoggingHook(interval=2)]).train()
     ((_, logged),) = recorder.logs
+    logged = logged["train"]
     assert logged["m"] == {"batch": 1.5}  # batches 0, 1, 2, 3
     # TinyTrainer's records carry loss.item() per micro-batch; that record is the logged "loss".
     micro = [s["records"]["loss"] for s in recorder.steps]
-    assert logged["loss"] == pytest.approx(mean(micro), rel=1e-12)
+    assert logged["loss"] == pytest.approx(mean(micro), rel=1e-6)  # float32 tensors vs their .item()
     assert mean(micro) == pytest.approx(mean([s["loss"] for s in recorder.steps]), rel=1e-6)
 
 
@@ -524,13 +532,13 @@ def test_two_gloo_ranks_sync_averages_across_ranks_with_one_collective_per_inter
         synced, unsynced = result["logs"][0::2], result["logs"][1::2]
         assert [step for step, _ in synced] == [step for step, _ in unsynced] == ends
         for (_, logged), expected in zip(synced, across, strict=True):
-            assert logged["loss"] == pytest.approx(expected, rel=1e-12)
+            assert logged["train"]["loss"] == pytest.approx(expected, rel=1e-12)
         for (_, logged), expected in zip(unsynced, local[rank], strict=True):
-            assert logged["loss"] == pytest.approx(expected, rel=1e-12)
-        assert [logged["m"]["batch"] for _, logged in synced] == pytest.approx(
+            assert logged["train"]["loss"] == pytest.approx(expected, rel=1e-12)
+        assert [logged["train"]["m"]["batch"] for _, logged in synced] == pytest.approx(
             [(a + b) / 2 for a, b in zip(batches[0], batches[1], strict=True)]
         )
-        assert all(logged["lr_0"] == 0.1 for _, logged in synced)
+        assert all(logged["train"]["lr"] == {"group_0": 0.1} for _, logged in synced)
     assert results[0]["logs"][0::2] == results[1]["logs"][0::2]  # the same numbers on both ranks
 
     assert stdout[1] == ""  # only rank 0 prints
@@ -561,3 +569,21 @@ if __name__ == "__main__":
     parser.add_argument("--scenario", choices=("sync", "keys"), required=True)
     arguments = parser.parse_args()
     _child(arguments.child, arguments.port, arguments.out, arguments.scenario)
+
+
+def test_progress_param_group_keys_show_each_groups_values_by_name_or_index(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    class Named(TinyTrainer):
+        def build_optimizer(self) -> torch.optim.Optimizer:
+            assert self.model is not None
+            model: Any = self.model
+            groups = [{"params": [model.weight], "name": "w"}, {"params": [model.bias], "lr": 0.01}]
+            return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+
+    hook = ProgressHook(interval=1, param_group_keys=("name", "lr", "momentum"))
+    Named(workspace=None, max_steps=1, hooks=[hook]).train()
+    (line,) = printed(capsys)
+    main = parse(line)[2]
+    assert [k for k in main if k not in ("step", "data", "eta", "loss")] == ["lr_w", "momentum_w", "lr_1", "momentum_1"]
+    assert (main["lr_w"], main["momentum_w"], main["lr_1"]) == ("1.00e-01", "9.00e-01", "1.00e-02")

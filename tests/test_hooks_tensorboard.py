@@ -38,7 +38,7 @@ class LogEveryStep(BaseHook):
         self.images = images or {}
 
     def on_after_step(self, trainer: Any) -> None:
-        trainer.log({"loss": trainer.step_info["loss"], "m": {"twice": trainer.step * 2}})
+        trainer.log({"loss": trainer.step_info["loss"][-1], "m": {"twice": trainer.step * 2}})
         if trainer.step in self.images:
             trainer.log_images(self.images[trainer.step])
 
@@ -174,3 +174,58 @@ def test_without_tensorboard_installed_the_error_names_the_extra(
         patch.setitem(sys.modules, "tensorboard", None)  # what `import tensorboard` sees where it is missing
         with pytest.raises(ImportError, match=r"pip install 'trainfsm\[tensorboard\]'"):
             trainer.train()
+
+
+def test_logging_hooks_records_become_train_tags(tmp_path: Path) -> None:
+    from trainfsm import LoggingHook
+
+    trainer = TinyTrainer(max_steps=2, workspace=tmp_path, hooks=[LoggingHook(interval=1), TensorBoardHook()])
+    trainer.train()
+    found = tags(tmp_path / "tensorboard")["scalars"]
+    assert found == sorted(
+        [
+            "train/loss",
+            "train/m/batch",
+            "train/data_time",
+            "train/step_time",
+            "train/non_finite_grad_retry_count",
+            "train/lr/group_0",
+        ]
+    )
+    assert scalars(tmp_path / "tensorboard", "train/lr/group_0") == [(1, f32(trainer.lr)), (2, f32(trainer.lr))]
+
+
+def test_namespace_separator_joins_all_but_the_leaf(tmp_path: Path) -> None:
+    class Log(BaseHook):
+        def on_after_step(self, trainer: Any) -> None:
+            trainer.log(
+                {"loss": {"train": 1.0, "val.Hypersim": 2.0}, "criterion": {"global": {"loss": {"train": 3.0}}}}
+            )
+
+    hook = TensorBoardHook(namespace_separator=".")
+    TinyTrainer(max_steps=1, workspace=tmp_path, hooks=[Log(), hook]).train()
+    assert tags(tmp_path / "tensorboard")["scalars"] == sorted(
+        ["loss/train", "loss/val.Hypersim", "criterion.global.loss/train"]
+    )
+
+
+def test_texts_are_written_once_at_the_start(tmp_path: Path) -> None:
+    hook = TensorBoardHook(texts={"config": {"lr": 0.1}, "command": "train.py --steps 2"})
+    TinyTrainer(max_steps=2, workspace=tmp_path, hooks=[hook]).train()
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    texts = {tag: accumulator.Tensors(tag) for tag in accumulator.Tags()["tensors"]}
+    assert sorted(texts) == ["command/text_summary", "config/text_summary"]
+    (event,) = texts["command/text_summary"]
+    assert event.step == 0
+    assert event.tensor_proto.string_val == [b"train.py --steps 2"]
+    assert texts["config/text_summary"][0].tensor_proto.string_val == [str({"lr": 0.1}).encode()]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"namespace_separator": ""}, "namespace_separator must be a non-empty str"), ({"texts": ["a"]}, "texts must be")],
+)
+def test_bad_separator_or_texts_are_named(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=message):
+        TensorBoardHook(**kwargs)

@@ -66,7 +66,7 @@ class LogEveryStep(BaseHook):
         self.extra, self.images = extra or {}, images or {}
 
     def on_after_step(self, trainer: Any) -> None:
-        trainer.log({"loss": trainer.step_info["loss"], "m": {"twice": trainer.step * 2}})
+        trainer.log({"loss": trainer.step_info["loss"][-1], "m": {"twice": trainer.step * 2}})
         if trainer.step in self.extra:
             trainer.log(self.extra[trainer.step])
         if trainer.step in self.images:
@@ -351,3 +351,23 @@ def test_the_reader_checks_header_and_checksums(tmp_path: Path, wandb_dir: Path)
         list(iter_payloads(bytes(flipped)))
     with pytest.raises(CorruptRunFile):
         list(iter_payloads(data[: len(data) - 3]))
+
+
+def test_logging_hooks_records_land_under_trainloops_keys(tmp_path: Path, wandb_dir: Path) -> None:
+    from trainfsm import LoggingHook
+
+    trainer = TinyTrainer(max_steps=4, workspace=tmp_path / "ws", hooks=[LoggingHook(interval=2), WandbHook("t")])
+    trainer.train()
+    run = only_run(wandb_dir)
+    assert [step for step, _ in run.history] == [2, 4]
+    keys = set(run.history[0][1])
+    assert keys == {
+        "train/loss",
+        "train/m/batch",
+        "train/data_time",
+        "train/step_time",
+        "train/non_finite_grad_retry_count",
+        "train/lr/group_0",
+    }
+    assert run.history[1][1]["train/lr/group_0"] == trainer.lr
+    assert run.history[1][1]["train/m/batch"] == 2.5  # batches 2 and 3

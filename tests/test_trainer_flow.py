@@ -90,10 +90,11 @@ def test_loss_none_micro_batches_audit_trail(make_trainer, events):
 def test_loss_none_step_uses_only_batches_with_a_loss(make_trainer):
     trainer = make_trainer(max_steps=1, gradient_accumulation_steps=2, script={2: "none", 3: "none"})
     trainer.train()
-    # step_info's loss is the mean over the two micro-batches that returned a loss (calls 1 and 4).
-    assert trainer.step_info["loss"].item() == pytest.approx(sum(trainer.losses) / 2, rel=1e-6)
+    # step_info holds the two micro-batches that returned a loss (calls 1 and 4), not the skipped ones.
+    assert [loss.item() for loss in trainer.step_info["loss"]] == pytest.approx(trainer.losses, rel=1e-6)
     assert len(trainer.losses) == 2
-    assert trainer.step_info["records"]["m"] == {"batch": 1.5}  # batches 0 and 3
+    assert [r["m"] for r in trainer.step_info["records"]] == [{"batch": 0}, {"batch": 3}]
+    assert len(trainer.step_info["data_time"]) == 4  # every batch drawn, skipped ones too
 
 
 def test_loss_none_does_not_warn_for_a_plain_module(make_trainer):
@@ -139,9 +140,10 @@ def test_retry_with_accumulation_reruns_all_micro_batches_on_fresh_data(make_tra
         ("finish", "ACCUMULATE", "EXIT"),
     ]
     assert trainer.seen == [0, 1, 2, 3]
-    assert trainer.step_info["non_finite_grad_retries"] == 1
-    # The step's loss is the retried micro-batches' mean only.
-    assert trainer.step_info["loss"].item() == pytest.approx((trainer.losses[2] + trainer.losses[3]) / 2, rel=1e-6)
+    assert trainer.step_info["non_finite_grad_retry_count"] == trainer.step_info["non_finite_grad_retries"] == 1
+    # The step's losses are the retried micro-batches' only; its data times count every batch drawn.
+    assert [loss.item() for loss in trainer.step_info["loss"]] == pytest.approx(trainer.losses[2:4], rel=1e-6)
+    assert len(trainer.step_info["data_time"]) == 4
 
 
 def test_retries_exhausted_audit_trail(make_trainer, events):
@@ -525,27 +527,36 @@ def test_step_info_is_a_fresh_dict_per_step_with_the_documented_keys(make_traine
     assert at_before_step == [{}, {}, {}]
     assert len({id(info) for info in infos}) == 3
     for info in infos:
-        assert set(info) == {"loss", "records", "data_time", "step_time", "non_finite_grad_retries"}
-        assert isinstance(info["loss"], torch.Tensor)
-        assert not info["loss"].requires_grad
-        assert info["non_finite_grad_retries"] == 0
-        assert info["data_time"] >= 0.0
-        assert info["step_time"] >= info["data_time"]
+        assert set(info) == {
+            "loss",
+            "records",
+            "data_time",
+            "step_time",
+            "non_finite_grad_retry_count",
+            "non_finite_grad_retries",
+        }
+        (loss,) = info["loss"]  # trainloop's layout: one entry per micro-batch
+        assert isinstance(loss, torch.Tensor) and not loss.requires_grad
+        assert info["non_finite_grad_retry_count"] == 0
+        (data_time,) = info["data_time"]
+        assert data_time >= 0.0
+        assert info["step_time"] >= data_time
 
 
-def test_step_info_records_are_key_averaged_over_micro_batches(make_trainer):
+def test_step_info_keeps_each_micro_batchs_records_and_loss(make_trainer):
     trainer = make_trainer(max_steps=1, gradient_accumulation_steps=3)
     trainer.train()
-    assert trainer.step_info["records"]["m"] == {"batch": 1.0}  # mean of batches 0, 1, 2
-    assert trainer.step_info["records"]["loss"] == pytest.approx(sum(trainer.losses) / 3, rel=1e-12)
-    assert trainer.step_info["loss"].item() == pytest.approx(sum(trainer.losses) / 3, rel=1e-6)
+    assert [r["m"] for r in trainer.step_info["records"]] == [{"batch": 0}, {"batch": 1}, {"batch": 2}]
+    assert [r["loss"] for r in trainer.step_info["records"]] == trainer.losses
+    assert [loss.item() for loss in trainer.step_info["loss"]] == trainer.losses
+    assert len(trainer.step_info["data_time"]) == 3
 
 
 def test_step_info_records_without_accumulation_are_forwards_own(make_trainer):
     trainer = make_trainer(max_steps=2)
     trainer.train()
-    assert trainer.step_info["records"] == {"loss": trainer.losses[1], "m": {"batch": 1.0}}
-    assert trainer.step_info["loss"].item() == trainer.losses[1]
+    assert trainer.step_info["records"] == [{"loss": trainer.losses[1], "m": {"batch": 1}}]
+    assert [loss.item() for loss in trainer.step_info["loss"]] == [trainer.losses[1]]
 
 
 def test_step_info_counts_retries_of_its_step(make_trainer):
@@ -553,7 +564,7 @@ def test_step_info_counts_retries_of_its_step(make_trainer):
 
     class Grab(BaseHook):
         def on_after_step(self, trainer: BaseTrainer) -> None:
-            counts.append(trainer.step_info["non_finite_grad_retries"])
+            counts.append(trainer.step_info["non_finite_grad_retry_count"])
 
     make_trainer(max_steps=3, max_non_finite_grad_retries=3, script={2: "nan", 3: "nan"}, hooks=[Grab()]).train()
     assert counts == [0, 2, 0]

@@ -124,8 +124,9 @@ def main() -> None:
     print(f"exit reason: {trainer.exit_reason}")
     if "loss" in info:
         print(
-            f"final step {trainer.step}: loss {float(info['loss']):.4f}, "
-            f"batch accuracy {float(info['records']['accuracy']):.3f}"
+            # step_info keeps each micro-batch's loss and records (lists), as trainloop does
+            f"final step {trainer.step}: loss {float(info['loss'][-1]):.4f}, "
+            f"batch accuracy {float(info['records'][-1]['accuracy']):.3f}"
         )
     print(f"checkpoints: {workspace / 'checkpoints'}")
     print(f"audit trail: {workspace / 'logs' / f'events.rank{trainer.rank}.jsonl'}")

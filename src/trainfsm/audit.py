@@ -58,6 +58,8 @@ Problems (any makes the trail inconsistent, exit 1), by ``kind``:
         "exceptions": [{"rank": int, "type": str, "message": str, "file": str, "line": int}],
         "requeue": {"ok": bool, "command": str|null, "message": str} | null,
         "exit": {"reason": str, "code": int} | null,   # null: no exit event on the first rank
+        "ended": str,                         # how each rank ended: "rank 0 killed (...), rank 1 failed (...)"
+        "torchelastic": {"restart_count": int, "max_restarts": int|null, "run_id": str|null} | null,
         "killed": bool,                       # some rank has no exit event
         "end": {"state": str, "step": int},   # where the first rank's trail of this attempt ends
         "started_at": float, "ended_at": float,       # epoch seconds, all ranks

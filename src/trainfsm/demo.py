@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainfsm.hooks import BaseHook, CheckpointingHook
+from trainfsm.hooks import BaseHook, CheckpointingHook, LoggingHook
 from trainfsm.trainer import BaseTrainer
 
 DEFAULT_WORKSPACE: Final = Path("runs/demo")
@@ -107,6 +107,7 @@ class DigitsTrainer(BaseTrainer):
     def build_hooks(self) -> list[BaseHook]:
         return [
             CheckpointingHook(interval=self.checkpoint_every, keep_previous=self.keep_previous),
+            LoggingHook(interval=self.log_every),  # its metrics events let `trainfsm plot` draw curves
             DemoProgress(self.log_every),
         ]
 
@@ -147,8 +148,8 @@ class DemoProgress(BaseHook):
             return
         info = trainer.step_info
         # Host reads (syncs on an accelerator): only on the steps that print.
-        loss = float(info["loss"])
-        accuracy = float(info["records"]["accuracy"])
+        loss = float(info["loss"][-1])  # the step's micro-batches' losses: one here
+        accuracy = float(info["records"][-1]["accuracy"])
         val = trainer.evaluate() if isinstance(trainer, DigitsTrainer) else float("nan")
         rate = (step - self.start_step) / max(time.perf_counter() - self._started, 1e-9)
         log.info(
@@ -204,7 +205,7 @@ def run(
         device="cpu",
     )
     trainer.train()
-    checkpoint_hook, progress = trainer.hooks[0], trainer.hooks[1]
+    checkpoint_hook, progress = trainer.hooks[0], trainer.hooks[-1]
     assert isinstance(checkpoint_hook, CheckpointingHook) and isinstance(progress, DemoProgress)
     store = checkpoint_hook.store
     root = store.root if store is not None else Path(workspace) / "checkpoints"

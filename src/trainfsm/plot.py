@@ -6,8 +6,9 @@ and agreed, exceptions, and a dashed line where each restart (a new attempt) beg
 the trail has them, loss and learning-rate curves over steps.
 
 ``LoggingHook`` writes its interval averages to the trail as ``metrics`` events (``values``:
-``loss``, ``lr_<i>``, ...). Curves are drawn from those, and from any other event that carries a
-numeric ``loss`` or ``lr`` / ``lr_<i>`` field; a trail without any (no LoggingHook) gets the
+``train/loss``, ``train/lr/<group>``, ...; ``loss``, ``lr_<i>`` in trails of earlier versions).
+Curves are drawn from those, and from any other event that carries a numeric ``loss`` or ``lr`` /
+``lr_<i>`` field; a trail without any (no LoggingHook) gets the
 timeline alone, and ``PlotResult.metrics`` says so.
 
 matplotlib is optional (the ``plot`` extra) and imported only when a plot is drawn. The figure is
@@ -71,7 +72,7 @@ class PlotResult:
     height: int
     ranks: list[int]
     attempts: int
-    metrics: list[str]  # the curves drawn ("loss", "lr", "lr_0", ...); empty: timeline only
+    metrics: list[str]  # the curves drawn ("loss", "lr/group_0", "lr_0", ...); empty: timeline only
     notes: list[Note]
 
 
@@ -129,8 +130,10 @@ class _Timeline:
         data = record.data
         values = data.get("values") if record.name == "metrics" else None
         for key, value in (values if isinstance(values, dict) else data).items():
-            if (key in ("loss", "lr") or key.startswith("lr_")) and _is_number(value):
-                self.metrics.setdefault(key, {})[record.step] = float(value)
+            # LoggingHook's "train/loss", "train/lr/<group>"; trails of older versions: "loss", "lr_<i>"
+            name = key.removeprefix("train/")
+            if (name in ("loss", "lr") or name.startswith(("lr_", "lr/"))) and _is_number(value):
+                self.metrics.setdefault(name, {})[record.step] = float(value)
 
 
 def _is_number(value: Any) -> bool:

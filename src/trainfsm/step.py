@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -220,10 +220,23 @@ class Stepper:
 
 
 def _check_forward_result(out: Any) -> tuple[torch.Tensor | None, Any]:
+    """Shapes and types only (no host sync): a wrong return fails here, named, not deep in torch."""
     if type(out) is tuple and len(out) == 2:
         loss, records = out
-        if loss is None or isinstance(loss, torch.Tensor):
+        if not isinstance(records, Mapping):
+            raise TypeError(
+                f"forward() must return (loss, records) with records a dict of numbers (e.g. "
+                f"{{'accuracy': acc}}, or {{}}); got records of type {type(records).__name__}."
+            )
+        if loss is None:
             return loss, records
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() == 1:
+                return loss, records
+            raise ValueError(
+                f"forward() must return a scalar loss (one element) to run backward on; got a tensor of "
+                f"shape {tuple(loss.shape)}. Reduce it first, e.g. loss.mean() or loss.sum()."
+            )
         raise TypeError(
             f"forward() must return (loss, records) with loss a scalar torch.Tensor or None; "
             f"got loss of type {type(loss).__name__}."

@@ -47,7 +47,7 @@ from trainfsm.signals import (
 )
 from trainfsm.step import Stepper, close_iterator
 from trainfsm.torch_workarounds import GROUP_KEPT_ALIVE, GroupOutlivesDestroyWarning, default_group_kept_alive
-from trainfsm.utils import is_distributed_wrapper, key_average, unwrap, user_stacklevel
+from trainfsm.utils import is_distributed_wrapper, unwrap, user_stacklevel
 
 #: What ``_next_batch`` returns once ``max_epochs`` epochs of data are used up.
 _EXHAUSTED: Final = object()
@@ -425,9 +425,10 @@ class BaseTrainer:
         self.step_info = {}
         self._micro = 0
         self._retries = 0
-        self._loss: torch.Tensor | None = None
+        # New lists each step: a hook may keep the previous step's until its interval ends.
+        self._losses: list[torch.Tensor] = []
         self._records: list[Any] = []
-        self._data_time = 0.0
+        self._data_times: list[float] = []
         self._step_start = time.perf_counter()
         if self._signal_agreement is not None:  # overlaps the step's work; waited for in _after_step
             self._signal_agreement.start(self._signals.pending)
@@ -440,7 +441,7 @@ class BaseTrainer:
         batch = self._next_batch()
         if batch is _EXHAUSTED:
             return self._data_ran_out()
-        self._data_time += time.perf_counter() - t0
+        self._data_times.append(time.perf_counter() - t0)
         last = self._micro + 1 == self.gradient_accumulation_steps
         loss, records = self._stepper.micro(self.forward, batch, last)
         if loss is None:  # on this rank; with loss_none_agreement, on any: then every rank skips it
@@ -456,7 +457,7 @@ class BaseTrainer:
             self.audit.debug("loss_none", micro=self._micro, ranks=ranks)
             return self.micro
         self._micro += 1
-        self._loss = loss if self._loss is None else self._loss + loss
+        self._losses.append(loss)
         self._records.append(records)
         if not last:
             return self.micro
@@ -478,12 +479,13 @@ class BaseTrainer:
         for callback in self._before_optimizer_step:
             callback()
         stepper.apply(finite)
-        accumulation = self.gradient_accumulation_steps
-        info["loss"] = self._loss / accumulation if accumulation > 1 else self._loss
-        info["records"] = key_average(self._records) if accumulation > 1 else self._records[0]
-        info["data_time"] = self._data_time
+        # trainloop's layout: per micro-batch lists (detached losses, records, data times; no
+        # averaging here, so no kernel and no sync), the step's time and its retry count.
+        info["loss"] = self._losses
+        info["records"] = self._records
+        info["data_time"] = self._data_times
         info["step_time"] = time.perf_counter() - self._step_start
-        info["non_finite_grad_retries"] = self._retries
+        info["non_finite_grad_retry_count"] = info["non_finite_grad_retries"] = self._retries
         return self._after_step()
 
     def _after_step(self) -> Callable[[], bool]:
@@ -581,7 +583,7 @@ class BaseTrainer:
         self._retries += 1
         self.audit.warning("non_finite", what="gradients", retry=self._retries, max=limit, scale=None)
         self._micro = 0
-        self._loss = None
+        self._losses = []  # the retried micro-batches' data times stay: they were spent in this step
         self._records = []
         return self.retry
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -36,32 +37,55 @@ def map_nested_tensor(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     return obj
 
 
-def key_average(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def key_average(records: Sequence[Mapping[str, Any]], exclude_nan: bool = False) -> dict[str, Any]:
     """Average each leaf over the dicts that have it: nested dicts are averaged key by key.
 
     >>> key_average([{"loss": 1.0, "m": {"acc": 0.5}}, {"loss": 3.0, "m": {"acc": 1.0}}])
     {'loss': 2.0, 'm': {'acc': 0.75}}
 
-    Tensors are averaged as tensors (no host sync); a key missing from some dicts is averaged
-    over the dicts that have it.
+    As ``trainloop``'s: keys come out sorted; a key missing from some dicts, or None there, is
+    averaged over the dicts that have a value; with ``exclude_nan`` NaN values are left out too;
+    a key with no value left averages to NaN. Tensors are averaged as tensors, without a host
+    sync (with ``exclude_nan``, by ``torch.nanmean``).
     """
-    sums: dict[str, Any] = {}
-    counts: dict[str, int] = {}
-    nested: dict[str, list[Mapping[str, Any]]] = {}
+    leaves: dict[tuple[str, ...], list[Any]] = {}
     for record in records:
-        for key, value in record.items():
-            if isinstance(value, Mapping):
-                nested.setdefault(key, []).append(value)
-            elif key in sums:
-                sums[key] = sums[key] + value
-                counts[key] += 1
-            else:
-                sums[key] = value
-                counts[key] = 1
-    out: dict[str, Any] = {key: sums[key] / counts[key] for key in sums}
-    for key, values in nested.items():
-        out[key] = key_average(values)
+        _leaves(record, (), leaves)
+    out: dict[str, Any] = {}
+    for path in sorted(leaves):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise TypeError(
+                    f"key_average: {'/'.join(path[:-1])!r} is a number in one record and a dict in another."
+                )
+        node[path[-1]] = _average([v for v in leaves[path] if v is not None], exclude_nan)
     return out
+
+
+def _leaves(record: Mapping[str, Any], prefix: tuple[str, ...], into: dict[tuple[str, ...], list[Any]]) -> None:
+    for key, value in record.items():
+        path = (*prefix, key)
+        if isinstance(value, Mapping):
+            _leaves(value, path, into)
+        else:
+            into.setdefault(path, []).append(value)
+
+
+def _average(values: list[Any], exclude_nan: bool) -> Any:
+    if exclude_nan:
+        if any(isinstance(v, torch.Tensor) for v in values):
+            device = next(v.device for v in values if isinstance(v, torch.Tensor))
+            stacked = torch.stack([torch.as_tensor(v, device=device).float().reshape(()) for v in values])
+            return torch.nanmean(stacked)  # on the device: no host sync
+        values = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
+    if not values:
+        return float("nan")
+    total = values[0]
+    for value in values[1:]:
+        total = total + value
+    return total / len(values)
 
 
 def _wrapper_types() -> tuple[type, ...]:

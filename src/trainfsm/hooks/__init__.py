@@ -9,6 +9,7 @@ from trainfsm.hooks.ema import EMAHook, EmaHook
 from trainfsm.hooks.image_files import ImageFileLoggerHook
 from trainfsm.hooks.logging_hook import LoggingHook
 from trainfsm.hooks.progress import ProgressHook
+from trainfsm.hooks.stats import StatsHook, TrainingStats
 from trainfsm.hooks.tensorboard import TensorBoardHook
 from trainfsm.hooks.validation import ValidationHook
 from trainfsm.hooks.wandb import WandbHook
@@ -25,7 +26,9 @@ __all__ = [
     "ImageFileLoggerHook",
     "LoggingHook",
     "ProgressHook",
+    "StatsHook",
     "TensorBoardHook",
+    "TrainingStats",
     "ValidationHook",
     "WandbHook",
 ]

@@ -57,7 +57,10 @@ class CudaMaxMemoryHook(BaseHook):
         device = self.device
         if device is None:
             return
-        trainer.step_info["max_memory"] = torch.cuda.max_memory_allocated(device) / GIB
+        # trainloop 0.5's key, and 0.11's for those reading step_info with it
+        trainer.step_info["max_memory"] = trainer.step_info["cuda_max_memory"] = (
+            torch.cuda.max_memory_allocated(device) / GIB
+        )
         torch.cuda.reset_peak_memory_stats(device)
 
 

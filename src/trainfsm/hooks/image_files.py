@@ -54,14 +54,20 @@ def optional_import(module: str, extra: str, purpose: str, package: str | None =
 def flatten(records: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     """``(key, leaf)`` pairs of a nested dict, nested keys joined with ``/``: ``{"a": {"b": 1}}``
     gives ``("a/b", 1)``."""
+    for path, value in flatten_paths(records, (prefix,) if prefix else ()):
+        yield "/".join(path), value
+
+
+def flatten_paths(records: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """``(path, leaf)`` pairs of a nested dict: ``{"a": {"b": 1}}`` gives ``(("a", "b"), 1)``."""
     for key, value in records.items():
         if not isinstance(key, str):
             raise TypeError(f"logged record keys must be str; got {key!r} ({type(key).__name__}) in {records!r}.")
-        full = f"{prefix}/{key}" if prefix else key
+        path = (*prefix, key)
         if isinstance(value, Mapping):
-            yield from flatten(value, full)
+            yield from flatten_paths(value, path)
         else:
-            yield full, value
+            yield path, value
 
 
 def check_image_format(

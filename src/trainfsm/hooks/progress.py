@@ -8,7 +8,10 @@ Fields, each averaged over the interval (see ``trainfsm.hooks.stats``): ``step``
 seconds per step; ``eta`` as ``H:MM:SS`` (hours may exceed 24), or ``eta -`` until it is known;
 ``mem`` (the interval's peak GiB, only when a hook such as ``CudaMaxMemoryHook`` put
 ``step_info["max_memory"]`` there first); ``loss``; ``grad_norm`` (only with ``grad_clip``, which
-computes it); ``lr_<i>`` per param group. With ``with_records`` the user's records follow after
+computes it); then per param group each of its ``param_group_keys`` but ``name`` (default: the
+rate), as ``<key>_<group>`` where the group is its ``"name"`` or its index: ``lr_0 1.00e-03``,
+``lr_head 1.00e-04``, with ``param_group_keys=("lr", "momentum")`` also ``momentum_0 9.00e-01``;
+the values the interval's last step used. With ``with_records`` the user's records follow after
 `` | `` as ``key value`` pairs, nested keys joined by ``/``, values with 4 decimals (``.3e`` below
 0.001 or from 100000 on, where 4 decimals would hide the value or flood the line).
 ``show_units=False`` drops the ``s`` and ``GiB`` suffixes. Retries are not on the line: each one
@@ -32,23 +35,25 @@ all, with ``sync=True`` they take part in the interval's one collective.
 
 from __future__ import annotations
 
+import numbers
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from trainfsm import validation as check
-from trainfsm.hooks.base import BaseHook
-from trainfsm.hooks.stats import IntervalStats, IntervalSummary
+from trainfsm.hooks.stats import StatsHook, TrainingStats, flat
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
 
 
-class ProgressHook(BaseHook):
+class ProgressHook(StatsHook):
     """Print a progress line every ``interval`` steps (and at the last step) on rank 0.
 
     ``with_records`` appends the user's averaged records; ``sync`` averages across ranks first (one
     collective per interval); ``eta_warmup`` steps of this attempt pass before the ETA is shown;
-    ``show_units`` prints ``s`` / ``GiB`` after times and memory.
+    ``show_units`` prints ``s`` / ``GiB`` after times and memory; ``param_group_keys`` says which
+    param-group values follow the loss.
     """
 
     def __init__(
@@ -58,71 +63,69 @@ class ProgressHook(BaseHook):
         sync: bool = False,
         eta_warmup: int = 10,
         show_units: bool = True,
+        param_group_keys: Sequence[str] = ("name", "lr"),
     ) -> None:
-        self.interval: int = check.positive_int("ProgressHook interval", interval)  # type: ignore[assignment]
         self.with_records = check.boolean("ProgressHook with_records", with_records)
-        self.sync = check.boolean("ProgressHook sync", sync)
+        self._with_records = self.with_records
+        super().__init__(interval=interval, sync=sync, param_group_keys=param_group_keys)
         self.eta_warmup: int = check.positive_int(  # type: ignore[assignment]
             "ProgressHook eta_warmup", eta_warmup, minimum=0
         )
         self.show_units = check.boolean("ProgressHook show_units", show_units)
         self._seconds = "s" if show_units else ""
         self._gib = "GiB" if show_units else ""
-        self._stats = IntervalStats("ProgressHook", sync=self.sync, records=self.with_records)
-        self._add = self._stats.add
-        self._add_lrs = self._stats.add_lrs
         self._clock = time.perf_counter
-        self._active = True  # does this rank collect at all
         self._prints = True  # is this rank the one that prints
+        self._step = 0
         self._max_steps = 0
         self._width = 1
         self._eta_step = 0  # the step after which the ETA clock starts
         self._eta_start: float | None = None
 
-    def on_before_train(self, trainer: BaseTrainer) -> None:
+    def collects(self, trainer: BaseTrainer) -> bool:
         self._prints = trainer.rank == 0
-        self._active = self._prints or self.sync
-        self._stats.start(trainer)
+        return self._prints or self.sync  # without sync the other ranks do no work at all
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        super().on_before_train(trainer)
         self._max_steps = trainer.max_steps
         self._width = len(str(trainer.max_steps))
         self._eta_step = trainer.step + self.eta_warmup
         self._eta_start = self._clock() if self.eta_warmup == 0 else None
 
-    def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
-        if self._active:
-            self._add_lrs()
-
     def on_after_step(self, trainer: BaseTrainer) -> None:
-        if not self._active:
-            return
-        self._add(trainer.step_info)
-        step = trainer.step
-        if step == self._eta_step:
+        if trainer.step == self._eta_step and self._active:
             self._eta_start = self._clock()
-        if step % self.interval == 0 or trainer.exit_reason is not None:
-            summary = self._stats.summarize(step)  # the interval's host sync (and collective)
-            if self._prints:
-                print(self.format(summary), flush=True)
+        super().on_after_step(trainer)
 
-    def format(self, summary: IntervalSummary) -> str:
-        """The progress line for ``summary`` (ETA as of now)."""
+    def on_stats(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
+        if self._prints:
+            print(self.format(stats, trainer.step), flush=True)
+
+    def format(self, stats: TrainingStats, step: int) -> str:
+        """The progress line for ``stats`` at ``step`` (ETA as of now)."""
         s = self._seconds
-        step = summary.step
         parts = [
             f"Step {step:>{self._width}}/{self._max_steps}:",
-            f"step {summary.step_time:.4f}{s}",
-            f"data {summary.data_time:.4f}{s}",
+            f"step {stats.step_time:.4f}{s}",
+            f"data {stats.data_time:.4f}{s}",
             f"eta {self._eta(step)}",
         ]
-        if summary.max_memory is not None:
-            parts.append(f"mem {summary.max_memory:.2f}{self._gib}")
-        parts.append(f"loss {summary.loss:.4f}")
-        if summary.grad_norm is not None:
-            parts.append(f"grad_norm {summary.grad_norm:.4f}")
-        parts.extend(f"lr_{i} {lr:.2e}" for i, lr in enumerate(summary.lrs))
+        if stats.cuda_max_memory is not None:
+            parts.append(f"mem {stats.cuda_max_memory:.2f}{self._gib}")
+        parts.append(f"loss {stats.loss:.4f}")
+        if stats.grad_norm is not None:
+            parts.append(f"grad_norm {stats.grad_norm:.4f}")
+        for i, group in enumerate(stats.param_groups):
+            label = group.get("name", i)
+            parts.extend(
+                f"{key}_{label} {value:.2e}" if isinstance(value, numbers.Real) else f"{key}_{label} {value}"
+                for key, value in group.items()
+                if key != "name"
+            )
         line = " ".join(parts)
         if self.with_records:
-            records = summary.flat_records()
+            records = flat(stats.records)
             if records:
                 line += " | " + " ".join(f"{key} {_number(value)}" for key, value in records.items())
         return line

@@ -1,41 +1,50 @@
-"""``IntervalStats``: what ``ProgressHook`` and ``LoggingHook`` average over their interval.
+"""``StatsHook`` and ``TrainingStats``: the one way the step stats are averaged over an interval.
 
-Per step it only keeps references and adds host numbers: the loss and grad norm stay tensors on
-their device (appended to a list, no kernel, no sync), the records dict is kept as the trainer
-made it (so a ``forward`` must return a new dict each step, not one it mutates in place), times
-and retries are host floats already. At the interval's last step ``summarize()``
-turns it all into floats with one device-to-host copy, and with ``sync=True`` on more than one
-rank, one ``all_reduce`` of one packed tensor before it.
+``LoggingHook`` and ``ProgressHook`` are ``StatsHook`` subclasses; a user's own consumer is one too
+(``StatsHook(callback)`` or a subclass overriding ``on_stats``), as in ``trainloop`` 0.11.
 
-What a summary holds, each averaged over the interval's steps (a key that only some steps have:
-over the steps that have it):
+Per step it only keeps references and adds host numbers: the step's micro-batch losses (detached
+tensors on their device) are averaged with one kernel and kept, no sync; the records are averaged
+over the step's micro-batches with ``key_average`` (tensors stay tensors); data and step times and
+the retry count are host numbers already. At the interval's last step ``summarize()`` turns it all
+into floats with one device-to-host copy, and with ``sync=True`` on more than one rank, one
+``all_reduce`` of one packed tensor before it.
 
-- ``loss``, ``grad_norm`` (when the trainer clips and so computes it), ``data_time``,
-  ``step_time``, ``non_finite_grad_retries`` (retries per step);
-- ``lrs``: the learning rate of every optimizer param group, as used by each step's
-  ``optimizer.step()`` (read in ``on_before_optimizer_step``; read after the step, it would be the
-  scheduler's rate for the *next* step);
-- ``records``: the user's records, nested as returned, averaged with ``key_average``;
-- ``max_memory``: the interval's peak (the largest step value, not the mean), when a hook put
-  ``step_info["max_memory"]`` there before this hook's ``on_after_step`` ran.
+``TrainingStats``, each over the interval's steps (a key only some steps have: over those):
+
+- ``loss``: the mean of each step's mean micro-batch loss;
+- ``grad_norm``: the mean total norm before clipping (None without ``grad_clip``);
+- ``step_time``: mean seconds per step; ``data_time``: the mean per step of the time spent
+  drawing its micro-batches (their sum);
+- ``non_finite_grad_retries``: retries per step;
+- ``cuda_max_memory``: the interval's peak GiB (the largest step value), when a hook such as
+  ``CudaMaxMemoryHook`` put ``step_info["max_memory"]`` there before this hook's ``on_after_step``;
+- ``records``: the user's records, nested as returned, ``key_average`` over steps of each step's
+  ``key_average`` over micro-batches;
+- ``param_groups``: one dict per optimizer param group with the ``param_group_keys`` it has
+  (default ``name`` and ``lr``), as used by the interval's last step (read before the optimizer
+  step, so before the scheduler moves the rate on).
 
 Across ranks (``sync=True``) every number is the mean over ranks of the per-rank values (for
-``max_memory``: the mean of the ranks' peaks). All ranks must produce the same keys (same records
-keys, same number of param groups, all clipping or none): the packed tensor carries a checksum of
-the key names, and when it differs between ranks every rank raises the same ``ValueError``. When
-even the number of values differs the collective itself fails (gloo aborts one process and the
-other raises; NCCL may hang until its timeout), so give every rank the same records keys.
+``cuda_max_memory``: the mean of the ranks' peaks); ``param_groups`` are this rank's. All ranks
+must produce the same keys (same records keys, all clipping or none): the packed tensor carries a
+checksum of the key names, and when it differs between ranks every rank raises the same
+``ValueError``. When even the number of values differs the collective itself fails (gloo aborts
+one process and the other raises; NCCL may hang until its timeout), so give every rank the same
+records keys.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainfsm import validation as check
+from trainfsm.hooks.base import BaseHook
 from trainfsm.utils import key_average
 
 if TYPE_CHECKING:
@@ -45,46 +54,31 @@ if TYPE_CHECKING:
 _SIGNATURE_BITS = 16
 
 
-@dataclass(slots=True)
-class IntervalSummary:
-    """One interval's averages, as host floats."""
+@dataclass(frozen=True, slots=True)
+class TrainingStats:
+    """One interval's averages, as host floats (see the module doc for each field)."""
 
-    step: int  #: the trainer step the interval ended at
-    steps: int  #: how many steps it averaged (fewer for a tail or the first interval after resume)
     loss: float
     grad_norm: float | None
-    data_time: float
     step_time: float
+    data_time: float
     non_finite_grad_retries: float
-    max_memory: float | None
-    lrs: tuple[float, ...]
+    cuda_max_memory: float | None
     records: dict[str, Any] = field(default_factory=dict)  #: nested as the user returned them
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
 
-    def scalars(self) -> dict[str, float]:
-        """The trainer's stats under their published names (``lr_0``, ``lr_1``, ...)."""
-        out: dict[str, float] = {"loss": self.loss}
-        if self.grad_norm is not None:
-            out["grad_norm"] = self.grad_norm
-        out["data_time"] = self.data_time
-        out["step_time"] = self.step_time
-        out["non_finite_grad_retries"] = self.non_finite_grad_retries
-        if self.max_memory is not None:
-            out["max_memory"] = self.max_memory
-        for i, lr in enumerate(self.lrs):
-            out[f"lr_{i}"] = lr
-        return out
 
-    def flat_records(self) -> dict[str, float]:
-        """The records with nested keys joined by ``/``: ``{"m": {"acc": 1.0}}`` -> ``{"m/acc": 1.0}``."""
-        return {"/".join(path): value for path, value in _flatten(self.records, ())}
+def flat(records: Mapping[str, Any], separator: str = "/") -> dict[str, Any]:
+    """Nested keys joined: ``{"m": {"acc": 1.0}}`` -> ``{"m/acc": 1.0}``."""
+    return {separator.join(path): value for path, value in _flatten(records, ())}
 
 
 class IntervalStats:
-    """Collects ``trainer.step_info`` per step; ``summarize()`` averages and starts over.
+    """The engine of ``StatsHook``: ``add(trainer.step_info)`` per step, ``summarize()`` per interval.
 
     ``owner`` names the hook in error messages. ``records=False`` skips the user's records (a
     progress line without them need not average them). Call ``start(trainer)`` once before the
-    first step (``on_before_train``), ``add_lrs()`` from ``on_before_optimizer_step`` and
+    first step (``on_before_train``), ``add_param_groups()`` from ``on_before_optimizer_step`` and
     ``add(trainer.step_info)`` from ``on_after_step``.
     """
 
@@ -93,12 +87,11 @@ class IntervalStats:
         "_distributed",
         "_grad_norms",
         "_groups",
+        "_keys",
         "_losses",
-        "_lr_counts",
-        "_lr_firsts",
-        "_lr_sums",
         "_memory",
         "_names",
+        "_param_groups",
         "_records",
         "_retries",
         "_signature",
@@ -110,11 +103,15 @@ class IntervalStats:
         "sync",
     )
 
-    def __init__(self, owner: str, *, sync: bool, records: bool = True) -> None:
+    def __init__(
+        self, owner: str, *, sync: bool, records: bool = True, param_group_keys: tuple[str, ...] = ("name", "lr")
+    ) -> None:
         self.owner = owner
         self.sync = sync
         self.records = records
+        self._keys = param_group_keys
         self._groups: list[dict[str, Any]] = []
+        self._param_groups: list[dict[str, Any]] = []
         self._distributed = False
         self._world_size = 1
         self._names: tuple[str, ...] = ()
@@ -138,51 +135,47 @@ class IntervalStats:
         self._step_time = 0.0
         self._retries = 0
         self._memory: list[Any] = []
-        n = len(self._groups)
-        self._lr_firsts: list[Any] = [0.0] * n
-        self._lr_sums: list[Any] = [0.0] * n
-        self._lr_counts = [0] * n
 
     # ------------------------------------------------------------------ per step: no sync, no strings
-    def add_lrs(self) -> None:
-        """The rates this step's ``optimizer.step()`` is about to use, per param group.
+    def add_param_groups(self) -> None:
+        """The param groups' ``param_group_keys`` this step's ``optimizer.step()`` is about to use.
 
-        Summed as differences from the interval's first rate, so a constant rate averages to
-        exactly itself (``0.1 + 0.1 + 0.1`` over 3 is not ``0.1`` in floating point).
+        Read here, not after the step: the scheduler then moves the rate on to the next step's.
+        A tensor value (capturable optimizers update ``lr`` in place) is copied: a kernel, no sync.
         """
-        groups, firsts, sums, counts = self._groups, self._lr_firsts, self._lr_sums, self._lr_counts
-        if len(groups) != len(counts):  # add_param_group() during training (e.g. unfreezing)
-            grow = len(groups) - len(counts)
-            firsts.extend([0.0] * grow)
-            sums.extend([0.0] * grow)
-            counts.extend([0] * grow)
-        for i, group in enumerate(groups):
-            lr = group["lr"]  # a float, or a tensor (capturable optimizers): used, never read
-            if counts[i]:
-                sums[i] += lr - firsts[i]
-            else:  # a tensor rate is updated in place by schedulers: keep a copy (a kernel, no sync)
-                firsts[i] = lr.clone() if isinstance(lr, torch.Tensor) else lr
-            counts[i] += 1
+        keys = self._keys
+        groups = []
+        for group in self._groups:
+            snapshot = {}
+            for key in keys:
+                if key in group:
+                    value = group[key]
+                    snapshot[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            groups.append(snapshot)
+        self._param_groups = groups
 
     def add(self, info: Mapping[str, Any]) -> None:
-        """One step's ``trainer.step_info``; keeps its tensors as they are."""
+        """One step's ``trainer.step_info`` (trainloop's layout: per micro-batch lists)."""
         self._steps += 1
-        self._losses.append(info["loss"])
+        losses = info["loss"]
+        self._losses.append(losses[0] if len(losses) == 1 else torch.stack(losses).mean())
         grad_norm = info.get("grad_norm")
         if grad_norm is not None:
             self._grad_norms.append(grad_norm)
-        records = info["records"]
-        if records and self.records:
-            self._records.append(records)
-        self._data_time += info["data_time"]
+        if self.records:
+            records = info["records"]
+            step_records = records[0] if len(records) == 1 else key_average(records)
+            if step_records:
+                self._records.append(step_records)
+        self._data_time += sum(info["data_time"])
         self._step_time += info["step_time"]
-        self._retries += info["non_finite_grad_retries"]
+        self._retries += info["non_finite_grad_retry_count"]
         memory = info.get("max_memory")
         if memory is not None:
             self._memory.append(memory)
 
     # ------------------------------------------------------------------ per interval
-    def summarize(self, step: int) -> IntervalSummary:
+    def summarize(self, step: int) -> TrainingStats:
         """Average what was collected, across ranks too when syncing, and start a new interval.
 
         The interval's one host sync (and, with ``sync``, its one collective) happens here.
@@ -201,12 +194,8 @@ class IntervalStats:
             names.append("grad_norm")
             values.append(_mean(self._grad_norms))
         if self._memory:
-            names.append("max_memory")
+            names.append("cuda_max_memory")
             values.append(_peak(self._memory))
-        for i, (first, total, count) in enumerate(zip(self._lr_firsts, self._lr_sums, self._lr_counts, strict=True)):
-            if count:
-                names.append(f"lr_{i}")
-                values.append(first + total / count)
         paths: list[tuple[str, ...]] = []
         if self._records:
             for path, value in _flatten(key_average(self._records), ()):
@@ -221,17 +210,20 @@ class IntervalStats:
         records: dict[str, Any] = {}
         for path, value in zip(paths, floats[len(floats) - len(paths) :], strict=True):
             _insert(records, path, value)
-        return IntervalSummary(
-            step=step,
-            steps=n,
+        groups = [
+            # A tensor rate (capturable optimizers) is rare: read here, once per interval and group.
+            {key: (value.item() if isinstance(value, torch.Tensor) else value) for key, value in group.items()}
+            for group in self._param_groups
+        ]
+        return TrainingStats(
             loss=by_name["loss"],
             grad_norm=by_name.get("grad_norm"),
-            data_time=by_name["data_time"],
             step_time=by_name["step_time"],
+            data_time=by_name["data_time"],
             non_finite_grad_retries=by_name["non_finite_grad_retries"],
-            max_memory=by_name.get("max_memory"),
-            lrs=tuple(by_name[name] for name in names if name.startswith("lr_")),  # in group order
+            cuda_max_memory=by_name.get("cuda_max_memory"),
             records=records,
+            param_groups=groups,
         )
 
     def _to_floats(self, names: list[str], values: list[Any], device: torch.device, step: int) -> list[float]:
@@ -296,6 +288,78 @@ class IntervalStats:
                 f"use sync=False."
             )
         return sums[:-2]
+
+
+class StatsHook(BaseHook):
+    """Every ``interval`` steps (and at the run's last step: completed, stopped or preempted), call
+    ``callback(trainer, stats)`` with the interval's ``TrainingStats``.
+
+    Subclass it and override ``on_stats`` instead of passing a callback, as ``LoggingHook`` and
+    ``ProgressHook`` do. ``sync``: average across ranks first (one collective per interval; none
+    when not distributed). ``param_group_keys``: which keys of each optimizer param group land in
+    ``stats.param_groups`` (those a group has). Every rank calls back; decide in the callback
+    which rank writes (``trainer.rank == 0``). State: none worth saving; the first interval after
+    a resume averages the steps this attempt ran.
+    """
+
+    #: ``records=False`` in a subclass skips averaging the user's records (ProgressHook without them).
+    _with_records = True
+
+    def __init__(
+        self,
+        callback: Callable[[BaseTrainer, TrainingStats], Any] | None = None,
+        interval: int = 10,
+        sync: bool = True,
+        param_group_keys: Sequence[str] = ("name", "lr"),
+    ) -> None:
+        owner = type(self).__name__
+        if callback is not None and not callable(callback):
+            raise TypeError(f"{owner} callback must be callable(trainer, stats) or None; got {callback!r}.")
+        if callback is None and type(self).on_stats is StatsHook.on_stats:
+            raise TypeError(
+                f"{owner} needs a callback(trainer, stats), or a subclass that overrides on_stats(trainer, stats)."
+            )
+        if isinstance(param_group_keys, str) or not all(isinstance(k, str) for k in param_group_keys):
+            raise TypeError(
+                f"{owner} param_group_keys must be a sequence of param-group key names, e.g. ('name', 'lr'); "
+                f"got {param_group_keys!r}."
+            )
+        self.callback = callback
+        self.interval: int = check.positive_int(f"{owner} interval", interval)  # type: ignore[assignment]
+        self.sync = check.boolean(f"{owner} sync", sync)
+        self.param_group_keys = tuple(param_group_keys)
+        self._stats = IntervalStats(
+            owner, sync=self.sync, records=self._with_records, param_group_keys=self.param_group_keys
+        )
+        self._add = self._stats.add
+        self._add_param_groups = self._stats.add_param_groups
+        self._active = True  # does this rank collect at all
+
+    def collects(self, trainer: BaseTrainer) -> bool:
+        """Whether this rank collects (every rank; ``ProgressHook`` without sync: rank 0 only)."""
+        return True
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        self._active = self.collects(trainer)
+        self._stats.start(trainer)
+
+    def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
+        if self._active:
+            self._add_param_groups()
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        if not self._active:
+            return
+        self._add(trainer.step_info)
+        step = trainer.step
+        if step % self.interval == 0 or trainer.exit_reason is not None:
+            stats = self._stats.summarize(step)  # the interval's host sync (and collective)
+            self.on_stats(trainer, stats)
+
+    def on_stats(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
+        """One interval's stats: calls ``callback(trainer, stats)``; subclasses override it."""
+        if self.callback is not None:
+            self.callback(trainer, stats)
 
 
 def _mean(tensors: list[torch.Tensor]) -> torch.Tensor:

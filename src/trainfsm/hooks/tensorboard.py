@@ -13,13 +13,14 @@ import importlib
 import numbers
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainfsm.hooks.base import BaseHook
-from trainfsm.hooks.image_files import flatten, optional_import, to_pil
+from trainfsm.hooks.image_files import flatten_paths, optional_import, to_pil
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -32,14 +33,31 @@ class TensorBoardHook(BaseHook):
     (or the working directory without one). ``flush_secs`` and ``max_queue`` go to the
     ``SummaryWriter``; the writer is also flushed and closed at EXIT, whatever the exit reason.
 
-    Nested keys are joined with ``/`` (``{"val": {"loss": x}}`` is the tag ``val/loss``). Scalars
+    Nested keys become the tag: the namespace joined with ``namespace_separator`` (default ``/``),
+    then ``/`` and the leaf, as in ``trainloop``: ``{"val": {"loss": x}}`` is ``val/loss``, and
+    ``{"a": {"b": {"c": x}}}`` is ``a/b/c``, or ``a.b/c`` with ``namespace_separator="."`` (TensorBoard
+    groups charts by the part before the last ``/``). ``texts``: a dict written once as text
+    summaries when training starts (a config, a command line). Scalars
     are numbers and one-element tensors; any other value is skipped with a warning (once per key).
     Images: PIL images, tensors or numpy arrays (see ``trainfsm.hooks.image_files.to_pil``).
     """
 
     def __init__(
-        self, log_dir: str | os.PathLike[str] | None = None, flush_secs: float = 120, max_queue: int = 10
+        self,
+        log_dir: str | os.PathLike[str] | None = None,
+        flush_secs: float = 120,
+        max_queue: int = 10,
+        namespace_separator: str = "/",
+        texts: Mapping[str, Any] | None = None,
     ) -> None:
+        if not isinstance(namespace_separator, str) or not namespace_separator:
+            raise ValueError(
+                f"TensorBoardHook namespace_separator must be a non-empty str; got {namespace_separator!r}."
+            )
+        self.namespace_separator = namespace_separator
+        if texts is not None and not isinstance(texts, Mapping):
+            raise TypeError(f"TensorBoardHook texts must be a dict of name -> text, or None; got {texts!r}.")
+        self.texts = dict(texts or {})
         if log_dir is not None and (not isinstance(log_dir, (str, os.PathLike)) or str(log_dir) == ""):
             raise TypeError(f"TensorBoardHook log_dir must be a non-empty str or path, or None; got {log_dir!r}.")
         self.log_dir = None if log_dir is None else Path(log_dir)
@@ -54,8 +72,18 @@ class TensorBoardHook(BaseHook):
         self._closed = False
 
     def on_before_train(self, trainer: BaseTrainer) -> None:
-        if trainer.rank == 0:
-            self._open(trainer)
+        if trainer.rank != 0:
+            return
+        writer = self.writer if self.writer is not None else self._open(trainer)
+        if self.texts:
+            for name, text in self.texts.items():
+                writer.add_text(str(name), str(text), global_step=trainer.step)
+            writer.flush()
+
+    def _tag(self, path: tuple[str, ...]) -> str:
+        if len(path) == 1:
+            return path[0]
+        return self.namespace_separator.join(path[:-1]) + "/" + path[-1]
 
     def _open(self, trainer: BaseTrainer) -> Any:
         optional_import("tensorboard", "tensorboard", "TensorBoardHook")
@@ -91,7 +119,8 @@ class TensorBoardHook(BaseHook):
         writer = self._active(trainer, dry_run)
         if writer is None:
             return
-        for key, value in flatten(records):
+        for path, value in flatten_paths(records):
+            key = self._tag(path)
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 # A host sync for a GPU tensor: records are logged at intervals, not every micro-batch.
                 value = value.item()
@@ -110,7 +139,8 @@ class TensorBoardHook(BaseHook):
         if writer is None:
             return
         numpy = optional_import("numpy", "tensorboard", "TensorBoardHook images")
-        for key, value in flatten(records):
+        for path, value in flatten_paths(records):
+            key = self._tag(path)
             image = to_pil(value, key)
             if image.mode not in ("L", "RGB", "RGBA"):
                 image = image.convert("RGB")
