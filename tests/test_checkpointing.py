@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 from torch import nn
 
 from trainfsm import BaseTrainer, CheckpointError, CheckpointingHook
@@ -79,12 +80,13 @@ def test_layout_one_directory_per_step_with_manifest_and_latest_link(tmp_path: P
     assert sorted(p.name for p in (root / "8").iterdir()) == ["manifest.json", "model.pt", "training_state.pt"]
     assert (root / "latest").is_symlink() and os.readlink(root / "latest") == "8"
     manifest = json.loads((root / "8" / "manifest.json").read_text())
-    assert manifest["step"] == 8 and manifest["format"] == 2
+    assert manifest["step"] == 8 and manifest["format"] == 4
+    assert manifest["checksum"] == "xxh3_128"  # the default, named in the manifest
     assert set(manifest["versions"]) == {"trainfsm", "torch", "python"}
     for name, entry in manifest["files"].items():
         assert (root / "8" / name).stat().st_size == entry["bytes"]
-        assert entry["chunk_bytes"] == CHUNK_BYTES and len(entry["sha256_chunks"]) == 1  # small files: one chunk
-        assert len(entry["sha256_chunks"][0]) == 64
+        assert entry["chunk_bytes"] == CHUNK_BYTES and len(entry["chunks"]) == 1  # small files: one chunk
+        assert len(entry["chunks"][0]) == 32  # 128 bits
 
 
 def test_saves_at_interval_keep_steps_and_last_step_then_prunes(tmp_path: Path) -> None:
@@ -165,7 +167,7 @@ def test_latest_skips_a_corrupt_newest_checkpoint_with_a_warning(tmp_path: Path)
     resumed.train()
     skipped = events(tmp_path, "checkpoint_skipped")
     assert [e["path"] for e in skipped] == [str(tmp_path / "checkpoints" / "8")]
-    assert "sha256" in skipped[0]["reason"]
+    assert "does not match its xxh3_128" in skipped[0]["reason"]
     assert events(tmp_path, "checkpoint_loaded")[0]["path"] == str(tmp_path / "checkpoints" / "4")
 
 
@@ -451,12 +453,13 @@ def test_an_unwritable_checkpoint_directory_fails_the_save_and_keeps_the_old_one
     assert events(tmp_path)[-1]["reason"] == "failed"
 
 
-def chunk_sums(data: bytes, chunk: int = CHUNK_BYTES) -> list[str]:
-    return [hashlib.sha256(data[i : i + chunk]).hexdigest() for i in range(0, max(len(data), 1), chunk)]
+def chunk_sums(data: bytes, chunk: int = CHUNK_BYTES, checksum: str = "xxh3_128") -> list[str]:
+    new = hashlib.sha256 if checksum == "sha256" else xxhash.xxh3_128
+    return [new(data[i : i + chunk]).hexdigest() for i in range(0, max(len(data), 1), chunk)]
 
 
 @pytest.mark.parametrize("megabytes", [0, 9])
-def test_manifest_checksums_are_the_sha256_of_each_4_mib_of_the_files_on_disk(tmp_path: Path, megabytes: int) -> None:
+def test_manifest_checksums_are_the_xxh3_128_of_each_4_mib_of_the_files_on_disk(tmp_path: Path, megabytes: int) -> None:
     # Large CPU tensors are hashed after write() returned (from torch's views of their storage),
     # small writes are copied first; 4 x 9 MiB crosses chunk boundaries inside tensors.
     generator = torch.Generator().manual_seed(0)
@@ -466,8 +469,8 @@ def test_manifest_checksums_are_the_sha256_of_each_4_mib_of_the_files_on_disk(tm
     manifest = json.loads((checkpoint.path / "manifest.json").read_text())
     for name, entry in manifest["files"].items():
         data = (checkpoint.path / name).read_bytes()
-        assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(data)}
-    assert len(manifest["files"]["model.pt"]["sha256_chunks"]) == (10 if megabytes else 1)  # 36 MiB and headers
+        assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "chunks": chunk_sums(data)}
+    assert len(manifest["files"]["model.pt"]["chunks"]) == (10 if megabytes else 1)  # 36 MiB and headers
     loaded = CheckpointStore.load(checkpoint.path)["model"]
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
@@ -490,12 +493,12 @@ def write_file(path: Path, pieces: list[Any], direct: bool = True) -> tuple[dict
 def test_a_file_of_exactly_one_chunk_has_one_sum(tmp_path: Path) -> None:
     data = bytes(range(256)) * (CHUNK_BYTES // 256)
     entry, _ = write_file(tmp_path / "f", [data[:100], data[100:]])
-    assert entry["sha256_chunks"] == chunk_sums(data) and len(entry["sha256_chunks"]) == 1
+    assert entry["chunks"] == chunk_sums(data) and len(entry["chunks"]) == 1
 
 
 def test_an_empty_file_has_the_sum_of_no_bytes(tmp_path: Path) -> None:
     entry, _ = write_file(tmp_path / "f", [])
-    assert entry == {"bytes": 0, "chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(b"")}
+    assert entry == {"bytes": 0, "chunk_bytes": CHUNK_BYTES, "chunks": chunk_sums(b"")}
     assert (tmp_path / "f").read_bytes() == b""
 
 
@@ -530,7 +533,7 @@ def test_a_buffer_reused_after_write_returned_does_not_change_the_file(tmp_path:
         entry = writer.finish()
     data = (tmp_path / "f").read_bytes()
     assert data == b"header" + b"a" * (20 << 20) + b"b" * (20 << 20)
-    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(data)}
+    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "chunks": chunk_sums(data)}
 
 
 def _direct_io_works(directory: Path) -> bool:
@@ -548,7 +551,7 @@ def test_files_bypass_the_page_cache_and_are_cut_to_their_size(tmp_path: Path) -
     entry, direct = write_file(tmp_path / "f", [data[:10], data[10:]])
     assert direct
     assert (tmp_path / "f").read_bytes() == data
-    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(data)}
+    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "chunks": chunk_sums(data)}
 
 
 def test_a_write_that_refuses_o_direct_goes_on_through_the_page_cache(
@@ -574,14 +577,14 @@ def test_a_write_that_refuses_o_direct_goes_on_through_the_page_cache(
     entry, direct = write_file(tmp_path / "f", [data])
     assert refused and not direct  # the first write to reach the disk is refused (maybe a second one too)
     assert (tmp_path / "f").read_bytes() == data
-    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(data)}
+    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "chunks": chunk_sums(data)}
 
 
 def test_without_direct_io_files_go_through_the_page_cache(tmp_path: Path) -> None:
     data = os.urandom(CHUNK_BYTES + 5)
     entry, direct = write_file(tmp_path / "f", [data], direct=False)
     assert not direct and (tmp_path / "f").read_bytes() == data
-    assert entry["sha256_chunks"] == chunk_sums(data)
+    assert entry["chunks"] == chunk_sums(data)
 
 
 def test_a_disk_full_in_the_background_write_loses_no_earlier_checkpoint(
@@ -635,7 +638,7 @@ def test_a_flipped_byte_in_a_later_chunk_is_found(tmp_path: Path) -> None:
         byte = f.read(1)
         f.seek(33 << 20)
         f.write(bytes([byte[0] ^ 1]))
-    with pytest.raises(CheckpointError, match=f"{model} does not match its sha256"):
+    with pytest.raises(CheckpointError, match=f"{model} does not match its xxh3_128"):
         CheckpointStore.verify(checkpoint.path)
 
 
@@ -669,3 +672,66 @@ def test_a_run_resumed_inside_max_epochs_ends_exactly_like_an_uninterrupted_one(
     again.train()  # at the end of the data already: nothing trained, nothing saved
     assert again.step == 10
     assert [e["saved_step"] for e in events(tmp_path / "b", "checkpoint_saved")] == [3, 6, 7, 9, 10]
+
+
+# ---------------------------------------------------------------- the checksum
+def test_checksum_sha256_is_named_in_the_manifest_and_verified(tmp_path: Path) -> None:
+    run(tmp_path, 4, checksum="sha256")
+    directory = tmp_path / "checkpoints" / "4"
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["checksum"] == "sha256"
+    for name, entry in manifest["files"].items():
+        assert entry["chunks"] == chunk_sums((directory / name).read_bytes(), checksum="sha256")
+    (directory / "model.pt").write_bytes(b"x" + (directory / "model.pt").read_bytes()[1:])
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        CheckpointStore.verify(directory)
+
+
+def test_a_checkpoint_resumes_whichever_checksum_wrote_it(tmp_path: Path) -> None:
+    straight = run(tmp_path / "a", 8)
+    run(tmp_path / "b", 4, checksum="sha256")
+    resumed = run(tmp_path / "b", 8)  # xxh3_128 now: the sha256 manifest of step 4 still verifies
+    assert resumed.hook.loaded_from == tmp_path / "b" / "checkpoints" / "4"
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):  # type: ignore[union-attr]
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_format_2_or_3_manifest_of_sha256_chunks_still_loads_and_verifies(tmp_path: Path, sharded: bool) -> None:
+    """What trainfsm wrote before format 4: no "checksum" key, a "sha256_chunks" list per file."""
+    run(tmp_path, 4)
+    directory = tmp_path / "checkpoints" / "4"
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["format"] = 3 if sharded else 2
+    del manifest["checksum"]
+    manifest["files"] = {
+        name: {
+            "bytes": entry["bytes"],
+            "chunk_bytes": CHUNK_BYTES,
+            "sha256_chunks": chunk_sums((directory / name).read_bytes(), checksum="sha256"),
+        }
+        for name, entry in manifest["files"].items()
+    }
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    assert CheckpointStore.load(directory)["training_state"]["step"] == 4
+    (directory / "model.pt").write_bytes(b"x" + (directory / "model.pt").read_bytes()[1:])
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        CheckpointStore.verify(directory)
+
+
+def test_a_manifest_naming_an_unknown_checksum_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    run(tmp_path, 4)
+    directory = tmp_path / "checkpoints" / "4"
+    manifest = json.loads((directory / "manifest.json").read_text())
+    (directory / "manifest.json").write_text(json.dumps({**manifest, "checksum": "md5"}))
+    with pytest.raises(CheckpointError, match="names checksum 'md5'; this trainfsm verifies xxh3_128, sha256"):
+        CheckpointStore.verify(directory)
+
+
+@pytest.mark.parametrize("owner", ["CheckpointingHook", "CheckpointStore"])
+def test_a_bad_checksum_argument_is_named(tmp_path: Path, owner: str) -> None:
+    with pytest.raises(ValueError, match=f"{owner} checksum must be one of 'xxh3_128', 'sha256'.*got 'md5'"):
+        if owner == "CheckpointingHook":
+            CheckpointingHook(interval=1, checksum="md5")  # type: ignore[arg-type]
+        else:
+            CheckpointStore(tmp_path, checksum="md5")

@@ -31,7 +31,7 @@ def test_inspect_verifies_and_prints_the_contents(checkpoint: Path, capsys: pyte
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == f"checkpoint {checkpoint}"
-    assert lines[1] == "verified: manifest format 2, 3 files, sizes and sha256 checksums match"
+    assert lines[1] == "verified: manifest format 4, 3 files, sizes and xxh3_128 checksums match"
     assert lines[2].startswith("step 4, kept: no, created ")
     assert "trainfsm 0.1.0" in lines[3] and f"torch {torch.__version__}" in lines[3]
     for name in ("manifest.json", "model.pt", "training_state.pt", "hooks.pt"):
@@ -64,7 +64,7 @@ def test_a_corrupted_file_fails_its_checksum(checkpoint: Path, capsys: pytest.Ca
     model.write_bytes(bytes(data))
     code, out, err = cli(capsys, "inspect", checkpoint)
     assert code == 1 and out == ""
-    assert f"INVALID: {model} does not match its sha256 in manifest.json (corrupted)" in err
+    assert f"INVALID: {model} does not match its xxh3_128 in manifest.json (corrupted)" in err
 
 
 def test_a_truncated_file_fails_its_size(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -106,7 +106,7 @@ def test_inspect_verifies_a_sharded_checkpoint_and_lists_its_keys_without_a_proc
     code, out, err = cli(capsys, "inspect", checkpoint)
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[1] == "verified: manifest format 3, 3 files, sizes and sha256 checksums match"
+    assert lines[1] == "verified: manifest format 4, 3 files, sizes and xxh3_128 checksums match"
     shards = [line.split() for line in lines if line.strip().startswith("sharded/")]
     assert [(s[0], s[-2:]) for s in shards] == [
         ("sharded/.metadata", ["rank", "0"]), ("sharded/__0_0.distcp", ["rank", "0"]),
@@ -124,4 +124,4 @@ def test_inspect_names_a_corrupted_shard(tmp_path: Path, capsys: pytest.CaptureF
     shard = tmp_path / "checkpoints" / "2" / "sharded" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-1] + b"?")
     code, _, err = cli(capsys, "inspect", tmp_path / "checkpoints" / "2")
-    assert code != 0 and "__0_0.distcp does not match its sha256" in err
+    assert code != 0 and "__0_0.distcp does not match its xxh3_128" in err

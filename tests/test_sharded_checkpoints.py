@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 from tests.distributed import sharded_worker
 from tests.distributed.launch import ROOT, audit_problems, events, free_port, run_command, run_worker, summary
@@ -32,6 +33,12 @@ from trainfsm.checkpoint import CHUNK_BYTES, CheckpointStore
 WORKER = Path(sharded_worker.__file__)
 WORLD = 2
 distributed = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+
+
+def chunk_sums(path: Path, chunk: int = CHUNK_BYTES) -> list[str]:
+    """The xxh3_128 of each chunk: the default checksum."""
+    data = path.read_bytes()
+    return [xxhash.xxh3_128(data[i : i + chunk]).hexdigest() for i in range(0, max(len(data), 1), chunk)]
 
 
 def sha256_chunks(path: Path, chunk: int = CHUNK_BYTES) -> list[str]:
@@ -68,15 +75,26 @@ def test_sharded_save_writes_dcp_files_beside_training_state_and_lists_them_in_t
         "manifest.json", "sharded/.metadata", "sharded/__0_0.distcp", "training_state.pt",
     ]  # fmt: skip
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    assert (manifest["format"], manifest["sharded"], manifest["world_size"]) == (3, True, 1)
+    assert (manifest["format"], manifest["sharded"], manifest["world_size"]) == (4, True, 1)
     assert sorted(manifest["files"]) == on_disk[1:]
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (checkpoint / name).stat().st_size
-        assert entry["sha256_chunks"] == sha256_chunks(checkpoint / name)
+        assert entry["chunks"] == chunk_sums(checkpoint / name)
     assert manifest["files"]["sharded/__0_0.distcp"]["rank"] == 0
     [saved] = trail(tmp_path, "checkpoint_saved")
     assert saved["sharded"] is True and saved["world_size"] == 1
     assert saved["bytes"] == sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+
+
+def test_a_sharded_save_uses_the_hooks_checksum_for_every_file(tmp_path: Path) -> None:
+    run(tmp_path, 4, sharded=True, checksum="sha256")
+    checkpoint = tmp_path / "checkpoints" / "4"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert manifest["checksum"] == "sha256"
+    for name, entry in manifest["files"].items():  # the shards DCP wrote, described by the same hash
+        assert entry["chunks"] == sha256_chunks(checkpoint / name)
+    resumed = run(tmp_path, 8, sharded=True)  # an xxh3_128 hook loads it, verifying sha256
+    assert resumed.step == 8 and trail(tmp_path, "checkpoint_loaded")[0]["from_step"] == 4
 
 
 def test_sharded_resume_on_one_process_is_exact(tmp_path: Path) -> None:
@@ -100,7 +118,7 @@ def test_async_sharded_saves_write_the_same_files_in_the_background_and_resume_e
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     assert sorted(manifest["files"]) == ["sharded/.metadata", "sharded/__0_0.distcp", "training_state.pt"]
     for name, entry in manifest["files"].items():
-        assert entry["sha256_chunks"] == sha256_chunks(checkpoint / name)
+        assert entry["chunks"] == chunk_sums(checkpoint / name)
 
 
 def test_a_staged_shard_is_the_cpu_copy_the_writer_fills_whatever_device_the_mesh_has() -> None:
@@ -148,7 +166,7 @@ def test_a_corrupted_shard_is_skipped_for_the_previous_checkpoint(tmp_path: Path
     shard.write_bytes(bytes(data))
     run(tmp_path, 8, sharded=True, keep_previous=1)
     [skipped] = trail(tmp_path, "checkpoint_skipped")
-    assert skipped["path"].endswith("checkpoints/8") and "__0_0.distcp does not match its sha256" in skipped["reason"]
+    assert skipped["path"].endswith("checkpoints/8") and "__0_0.distcp does not match its xxh3_128" in skipped["reason"]
     assert trail(tmp_path, "checkpoint_loaded")[-1]["from_step"] == 4
 
 
@@ -177,7 +195,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path: Path, capsys: pyt
     manifest = json.loads((checkpoint / "manifest.json").read_text())  # a matching manifest: sums pass
     entry = manifest["files"]["sharded/.metadata"]
     entry.update(bytes=(checkpoint / "sharded" / ".metadata").stat().st_size)
-    entry.update(sha256_chunks=sha256_chunks(checkpoint / "sharded" / ".metadata"))
+    entry.update(chunks=chunk_sums(checkpoint / "sharded" / ".metadata"))
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
     trainer = Trainer(CheckpointingHook(interval=4, load="4"), max_steps=4, workspace=tmp_path)
     with pytest.raises(CheckpointError, match=r"refers to builtins.print.*not loaded \(it could run code\)"):
@@ -209,14 +227,14 @@ def test_every_rank_writes_its_shard_and_the_manifest_lists_all_of_them(runs: tu
         "manifest.json", "sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "training_state.pt",
     ]  # fmt: skip
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    assert (manifest["format"], manifest["sharded"], manifest["world_size"]) == (3, True, WORLD)
+    assert (manifest["format"], manifest["sharded"], manifest["world_size"]) == (4, True, WORLD)
     assert {name: entry.get("rank") for name, entry in manifest["files"].items()} == {
         "sharded/.metadata": 0, "sharded/__0_0.distcp": 0, "sharded/__1_0.distcp": 1, "training_state.pt": None,
     }  # fmt: skip
     for name, entry in manifest["files"].items():
-        assert (entry["bytes"], entry["sha256_chunks"]) == (
+        assert (entry["bytes"], entry["chunks"]) == (
             (checkpoint / name).stat().st_size,
-            sha256_chunks(checkpoint / name),
+            chunk_sums(checkpoint / name),
         )
     ranks = torch.load(checkpoint / "training_state.pt", weights_only=True)["ranks"]
     assert len(ranks) == WORLD  # each rank's random state and data position
@@ -260,7 +278,7 @@ def test_async_sharded_saves_resume_exactly_on_the_same_world_size(runs: tuple[P
         "sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "training_state.pt",
     ]  # fmt: skip
     for name, entry in manifest["files"].items():
-        assert entry["sha256_chunks"] == sha256_chunks(checkpoint / name)
+        assert entry["chunks"] == chunk_sums(checkpoint / name)
     assert summary(events(out / "async", 0)) == summary(events(out / "async", 1))
     assert audit_problems(out / "async") == []
 
@@ -303,7 +321,7 @@ def test_a_corrupted_shard_is_skipped_alike_on_every_rank(runs: tuple[Path, Any]
         [skipped] = [e for e in trail_events if e["event"] == "checkpoint_skipped"]
         assert skipped["path"].endswith("checkpoints/4")
         assert skipped["reason"].startswith("rank 1: ")
-        assert "__1_0.distcp does not match its sha256" in skipped["reason"]
+        assert "__1_0.distcp does not match its xxh3_128" in skipped["reason"]
         [loaded] = [e for e in trail_events if e["event"] == "checkpoint_loaded"]
         assert loaded["from_step"] == 2
         assert results["fsdp"][rank]["corrupt_resumed"]["error"] is None

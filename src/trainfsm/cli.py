@@ -155,7 +155,7 @@ exit codes:
   2  usage error, or unreadable input (the file and line are named)"""
 
 INSPECT_DESCRIPTION: Final = """\
-Verify a checkpoint (its manifest, the files it lists, their sizes and sha256
+Verify a checkpoint (its manifest, the files it lists, their sizes and
 checksums) and print what is inside: files and sizes, step, the versions that
 wrote it, the model's parameter names, shapes and dtypes, the optimizer's state
 and param groups, scheduler and grad-scaler keys, and hooks' state.

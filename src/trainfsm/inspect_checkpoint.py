@@ -1,7 +1,7 @@
 """``trainfsm inspect``: verify a checkpoint and say what is inside it.
 
 Verification is ``CheckpointStore.verify``: the manifest's format, the files it lists, their sizes
-and sha256 checksums. Only then are the files opened, with ``torch.load(weights_only=True)`` (no
+and checksums (the algorithm the manifest names). Only then are the files opened, with ``torch.load(weights_only=True)`` (no
 pickle can run code) and ``mmap=True`` (a large checkpoint is paged in as it is looked at, not read
 whole into memory).
 
@@ -81,11 +81,16 @@ def _load(file: Path) -> Any:
 
 
 # -------------------------------------------------------------------- rendering
-def _sums(info: dict[str, Any]) -> str:
-    """Format 2 lists a sha256 per chunk; format 1 one per file."""
-    if "sha256_chunks" in info:
-        chunks = info["sha256_chunks"]
-        return f"sha256 {chunks[0][:16]}... ({len(chunks)} x {_size(info['chunk_bytes'])} chunks)"
+def _algorithm(manifest: dict[str, Any]) -> str:
+    """The checksum a manifest names (format 4); formats 1-3 are sha256."""
+    return str(manifest.get("checksum", "sha256"))
+
+
+def _sums(info: dict[str, Any], algorithm: str) -> str:
+    """Formats 2-4 list a sum per chunk; format 1 one sha256 per file."""
+    chunks = info.get("chunks", info.get("sha256_chunks"))
+    if chunks is not None:
+        return f"{algorithm} {chunks[0][:16]}... ({len(chunks)} x {_size(info['chunk_bytes'])} chunks)"
     return f"sha256 {info['sha256'][:16]}..."
 
 
@@ -94,7 +99,8 @@ def render(found: Inspection) -> str:
     lines = [f"checkpoint {found.path}" + (f"  (from {found.resolved_from})" if found.resolved_from else "")]
     files = manifest["files"]
     lines.append(
-        f"verified: manifest format {manifest['format']}, {len(files)} files, sizes and sha256 checksums match"
+        f"verified: manifest format {manifest['format']}, {len(files)} files, sizes and "
+        f"{_algorithm(manifest)} checksums match"
     )
     created = manifest.get("created")
     when = datetime.datetime.fromtimestamp(created).isoformat(sep=" ", timespec="seconds") if created else "?"
@@ -106,7 +112,8 @@ def render(found: Inspection) -> str:
     manifest_bytes = (found.path / MANIFEST).stat().st_size
     lines.append(f"  {MANIFEST:<22} {_size(manifest_bytes):>10}")
     lines.extend(
-        f"  {name:<22} {_size(info['bytes']):>10}  {_sums(info)}" + (f"  rank {info['rank']}" if "rank" in info else "")
+        f"  {name:<22} {_size(info['bytes']):>10}  {_sums(info, _algorithm(manifest))}"
+        + (f"  rank {info['rank']}" if "rank" in info else "")
         for name, info in files.items()
     )
     if found.sharded is not None:

@@ -115,10 +115,10 @@ def fail_rank1_step4_in_the_background(workspace: Path) -> dict[str, Any]:
 
     describe = checkpointing.describe_file
 
-    def unreadable_at_step_4(path: Path) -> dict[str, Any]:
+    def unreadable_at_step_4(path: Path, checksum: str) -> dict[str, Any]:
         if dist.get_rank() == 1 and ".tmp-4-" in str(path):
             raise OSError(5, "Input/output error", str(path))
-        return describe(path)
+        return describe(path, checksum)
 
     checkpointing.describe_file = unreadable_at_step_4  # type: ignore[assignment]
     try:
@@ -142,10 +142,10 @@ def scenario_kill(out: Path, rank: int, action: str) -> dict[str, Any]:
 
         describe = checkpointing.describe_file
 
-        def die_in_step_4_save(path: Path) -> dict[str, Any]:
+        def die_in_step_4_save(path: Path, checksum: str) -> dict[str, Any]:
             if ".tmp-4-" in str(path):
                 os._exit(9)  # like a SIGKILL: no cleanup, no goodbye to the process group
-            return describe(path)
+            return describe(path, checksum)
 
         checkpointing.describe_file = die_in_step_4_save  # type: ignore[assignment]
     asynchronous = action.endswith("_async")

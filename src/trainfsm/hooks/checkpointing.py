@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from trainfsm import data_state, rng
-from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore, check_fits, describe_file
+from trainfsm.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    check_checksum,
+    check_fits,
+    describe_file,
+)
 from trainfsm.events import notice
 from trainfsm.hooks.base import BaseHook
 from trainfsm.signals import DEFAULT_EXIT_SIGNALS, exit_policy
@@ -58,6 +65,10 @@ class CheckpointingHook(BaseHook):
     sharded ``async_save`` needs every rank to save at the same steps, as it does anyway); a
     failed sharded save raises on every rank at the next checkpoint or at EXIT.
 
+    ``checksum``: what the manifest lists for each 4 MiB of every file, ``"xxh3_128"`` (default: fast;
+    it guards against torn writes, bit rot and truncation, which is what a checksum stored beside the
+    data can do) or ``"sha256"``. Loading verifies with whichever one a checkpoint's manifest names.
+
     ``direct_io`` (default True) writes checkpoint files past the page cache (``O_DIRECT``) where the
     file system allows it, and through it elsewhere; ``False`` always goes through the page cache,
     for a file system where that is faster (see ``CheckpointStore``).
@@ -80,6 +91,7 @@ class CheckpointingHook(BaseHook):
         max_requeues: int | None = None,
         sharded: bool | Literal["auto"] = "auto",
         direct_io: bool = True,
+        checksum: Literal["xxh3_128", "sha256"] = "xxh3_128",
     ) -> None:
         self.interval = int_at_least("CheckpointingHook interval", interval, 1)
         self.keep_previous = int_at_least("CheckpointingHook keep_previous", keep_previous, 0)
@@ -128,6 +140,7 @@ class CheckpointingHook(BaseHook):
         self._failure_reported = False
         self._staging: threading.Event | None = None
         self._blocked = 0.0
+        self.checksum = check_checksum("CheckpointingHook", checksum)
 
     # ------------------------------------------------------------------ RESTORE
     def on_enter_restore(self, trainer: BaseTrainer) -> None:
@@ -135,7 +148,7 @@ class CheckpointingHook(BaseHook):
 
         from trainfsm.sharded import sharded_view
 
-        self.store = store = CheckpointStore(self._root(trainer), direct_io=self.direct_io)
+        self.store = store = CheckpointStore(self._root(trainer), direct_io=self.direct_io, checksum=self.checksum)
         log = trainer.audit
         if trainer.rank == 0:
             removed = store.remove_leftovers()
@@ -381,7 +394,7 @@ class CheckpointingHook(BaseHook):
         try:
             model_and_optimizer = {"model": state["model"], "optimizer": state["optimizer"]}
             for name in sharded.save(model_and_optimizer, directory, rank, group):
-                written[f"{sharded.SUBDIR}/{name}"] = {**describe_file(directory / name), "rank": rank}
+                written[f"{sharded.SUBDIR}/{name}"] = {**describe_file(directory / name, self.checksum), "rank": rank}
         except Exception as exc:  # reported to rank 0 below, so that no rank waits for another
             error = f"{type(exc).__name__}: {exc}"
         entries = _gather({"files": written, "error": error}, world, group)
