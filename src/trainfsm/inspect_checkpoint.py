@@ -1,9 +1,9 @@
 """``trainfsm inspect``: verify a checkpoint and say what is inside it.
 
 Verification is ``CheckpointStore.verify``: the manifest's format, the files it lists, their sizes
-and checksums (the algorithm the manifest names). Only then are the files opened, with ``torch.load(weights_only=True)`` (no
-pickle can run code) and ``mmap=True`` (a large checkpoint is paged in as it is looked at, not read
-whole into memory).
+and checksums (with the algorithm the manifest names). Only then are the files opened, with
+``torch.load(weights_only=True)`` (no pickle can run code) and ``mmap=True`` (a large checkpoint
+is paged in as it is looked at, not read whole into memory).
 
 A sharded checkpoint (written with torch.distributed.checkpoint) needs no process group here:
 its files are verified the same way, and DCP's ``.metadata`` (read with an unpickler that allows
