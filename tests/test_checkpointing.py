@@ -18,7 +18,8 @@ import torch
 import xxhash
 from torch import nn
 
-from trainfsm import BaseTrainer, CheckpointError, CheckpointingHook
+from tests.helpers import read_events
+from trainfsm import BaseHook, BaseTrainer, CheckpointError, CheckpointingHook
 from trainfsm.checkpoint import CHUNK_BYTES, CheckpointStore
 
 
@@ -735,3 +736,21 @@ def test_a_bad_checksum_argument_is_named(tmp_path: Path, owner: str) -> None:
             CheckpointingHook(interval=1, checksum="md5")  # type: ignore[arg-type]
         else:
             CheckpointStore(tmp_path, checksum="md5")
+
+
+def test_the_writers_one_off_set_up_happens_in_restore_not_in_the_first_save(tmp_path: Path) -> None:
+    class Watch(BaseHook):
+        def on_before_train(self, trainer: Any) -> None:
+            self.staging = trainer.hooks[0].store._staging  # made in RESTORE, before the first step
+
+    class Watched(Trainer):
+        def build_hooks(self) -> list[Any]:
+            return [hook, watch]
+
+    watch = Watch()
+    hook = CheckpointingHook(interval=2)
+    Watched(hook, max_steps=4, workspace=tmp_path).train()
+    assert watch.staging is not None
+    assert hook.store is not None and hook.store._staging is None  # closed at EXIT
+    ready = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_store_ready"]
+    assert len(ready) == 1 and ready[0]["state"] == "RESTORE" and ready[0]["seconds"] >= 0

@@ -438,6 +438,20 @@ class CheckpointStore:
         self._staging = None
 
     # ------------------------------------------------------------------ saving
+    def prepare(self) -> float:
+        """Make the writer's threads and staging buffers now (a no-op when they exist); seconds taken.
+
+        A first save would otherwise pay for them inside the step path (the 24 MiB of buffers are
+        touched page by page); ``CheckpointingHook`` calls this in RESTORE instead.
+        """
+        started = time.perf_counter()
+        if self._io is None or self._hashers is None or self._staging is None:
+            self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="trainfsm-ckpt-io")
+            self._hashers = _hash_pool("ckpt-hash")
+            self._staging = _Staging()
+            digest(self.checksum)  # imports xxhash
+        return time.perf_counter() - started
+
     def begin(self, step: int) -> Path:
         """A new temporary directory for checkpoint ``step``, for writers other than ``save`` (the
         ranks of a sharded save); pass it to ``save(into=...)``, or to ``discard`` on failure."""
@@ -485,10 +499,8 @@ class CheckpointStore:
         world_size: int | None,
     ) -> tuple[Checkpoint, int, str]:
         name = f"{step}{KEEP_SUFFIX}" if keep else str(step)
-        if self._io is None or self._hashers is None or self._staging is None:
-            self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="trainfsm-ckpt-io")
-            self._hashers = _hash_pool("ckpt-hash")
-            self._staging = _Staging()
+        self.prepare()
+        assert self._io is not None and self._hashers is not None and self._staging is not None
         files: dict[str, dict[str, Any]] = {}
         total = 0
         direct = True

@@ -68,6 +68,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "checkpoint_skipped": ("path", "reason"),
     "checkpoint_pruned": ("paths",),
     "checkpoint_tmp_removed": ("names",),
+    "checkpoint_store_ready": ("seconds",),
     "checkpoint_failed": ("type", "message"),
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
     "signal_agreed": ("signal", "agreed_step"),

@@ -154,6 +154,8 @@ class CheckpointingHook(BaseHook):
             removed = store.remove_leftovers()
             if removed:
                 log.warning("checkpoint_tmp_removed", names=removed)
+            # The writer's one-off set-up here, not in the first save's step (rank 0 writes).
+            log.debug("checkpoint_store_ready", seconds=round(store.prepare(), 6))
         # Keys and (global) shapes only, on every rank alike: a sharded view needs no gather, and a
         # full one with cpu_offload=True is empty on every rank but 0.
         current = get_model_state_dict(trainer.model, options=sharded_view(trainer.state_dict_options))  # type: ignore[arg-type]
