@@ -3,8 +3,8 @@
 ``record(root, action)`` runs ``action`` (a real ``CheckpointStore.save``, prune included) while it
 records every file-system operation under ``root``: file creation, writes with their bytes and
 offsets, truncation, fsync of a file or of a directory, mkdir, rename, symlink, unlink, rmdir.
-The ``os`` functions the store and ``shutil.rmtree`` call are wrapped, and so is ``open`` in
-``trainfsm.checkpoint`` (the manifest is written through it).
+The ``os`` functions the store and ``shutil.rmtree`` call are wrapped, and so is ``open`` (``io.open``,
+which ``pathlib`` and torch.distributed.checkpoint's writer use too) for files opened to write.
 
 ``crash_states(trace)`` then builds, for every prefix of the operations (a crash after the k-th),
 the states POSIX allows, with this persistence model:
@@ -23,13 +23,12 @@ files for the loader to read.
 from __future__ import annotations
 
 import builtins
+import io
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import trainfsm.checkpoint as checkpoint_module
 
 Op = tuple[Any, ...]
 
@@ -196,8 +195,8 @@ def record(root: Path, action: Callable[[], Any]) -> Trace:
         """``open(path, "wb")`` in trainfsm.checkpoint: writes and fsyncs recorded."""
 
         def __init__(self, path: Any, mode: str, *args: Any, **kwargs: Any) -> None:
-            self._file = builtins.open(path, mode, *args, **kwargs)  # noqa: SIM115 - closed by __exit__
-            self._rel = recorder.rel(path) if "w" in mode else None
+            self._file = real_open(path, mode, *args, **kwargs)
+            self._rel = recorder.rel(path)
             if self._rel is not None:
                 entry = recorder.paths.get(self._rel)
                 if entry is None:
@@ -218,12 +217,24 @@ def record(root: Path, action: Callable[[], Any]) -> Trace:
         def __getattr__(self, name: str) -> Any:
             return getattr(self._file, name)
 
+        def close(self) -> None:
+            if not self._file.closed:
+                recorder.fds.pop(self._file.fileno(), None)
+            self._file.close()
+
         def __enter__(self) -> RecordedFile:
             return self
 
         def __exit__(self, *exc: Any) -> None:
-            recorder.fds.pop(self._file.fileno(), None)
-            self._file.close()
+            self.close()
+
+    real_open = io.open
+
+    def rec_io_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        writing = isinstance(file, (str, bytes, os.PathLike)) and any(c in mode for c in "wax+")
+        if writing and recorder.rel(file) is not None:
+            return RecordedFile(file, mode, *args, **kwargs)
+        return real_open(file, mode, *args, **kwargs)
 
     patched = {
         "open": rec_open,
@@ -240,14 +251,28 @@ def record(root: Path, action: Callable[[], Any]) -> Trace:
     }
     for name, function in patched.items():
         setattr(os, name, function)
-    checkpoint_module.open = RecordedFile  # type: ignore[attr-defined]
+    io.open = builtins.open = rec_io_open  # type: ignore[assignment]
     try:
         action()
     finally:
         for name, function in real.items():
             setattr(os, name, function)
-        del checkpoint_module.open  # type: ignore[attr-defined]
-    return Trace(initial, data, ops)
+        io.open = builtins.open = real_open  # type: ignore[assignment]
+    return Trace(initial, data, _coalesced(ops))
+
+
+def _coalesced(ops: list[Op]) -> list[Op]:
+    """Back-to-back writes that continue one another in one file become one write (DCP writes a
+    shard in hundreds of small pieces): a crash may still tear it, which ``half written`` covers."""
+    out: list[Op] = []
+    for op in ops:
+        last = out[-1] if out else None
+        if op[0] == "write" and last is not None and last[0] == "write" and last[1] == op[1]:
+            if op[2] == last[2] + len(last[3]):
+                out[-1] = ("write", op[1], last[2], last[3] + op[3])
+                continue
+        out.append(op)
+    return out
 
 
 # ---------------------------------------------------------------- crash states

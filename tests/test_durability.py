@@ -136,3 +136,72 @@ def test_without_any_one_fsync_of_the_protocol_a_crash_state_loses_both_checkpoi
     }[which]
     _, bad = failures(_without(trace, lambda index, op: index in dropped), tmp_path, limit=1)
     assert bad, f"no crash state loses both checkpoints without the fsync of the {which}"
+
+
+# ---------------------------------------------------------------- sharded saves
+@pytest.fixture(scope="module")
+def sharded_trace(tmp_path_factory: pytest.TempPathFactory) -> tuple[crashfs.Trace, dict[int, int]]:
+    """A trainer's sharded save of step 2 (DCP's shards and .metadata, then training_state.pt and
+    the manifest), pruning step 1; and the step each checkpoint's training state holds."""
+    from tests.test_checkpointing import run
+
+    workspace = tmp_path_factory.mktemp("sharded")
+    run(workspace, 1, interval=1, sharded=True)
+    root = workspace / "checkpoints"
+    trace = crashfs.record(root, lambda: run(workspace, 2, interval=1, sharded=True, keep_previous=0))
+    return trace, {1: 1, 2: 2}
+
+
+def sharded_failures(trace: crashfs.Trace, scratch: Path, limit: int = 3) -> tuple[int, list[str]]:
+    bad: list[str] = []
+    count = 0
+    for description, tree, data in crashfs.crash_states(trace):
+        count += 1
+        directory = scratch / f"state{count}"
+        crashfs.materialize(tree, data, directory)
+        try:
+            found = newest_loadable(directory)  # every rank's shards verified against the manifest
+        except Exception as exc:
+            bad.append(f"{description}: {type(exc).__name__}: {exc}")
+        else:
+            if found is None:
+                bad.append(f"{description}: no checkpoint loads")
+            elif found[1]["training_state"]["step"] != found[0]:
+                bad.append(f"{description}: step {found[0]} holds another step's state")
+        shutil.rmtree(directory)
+        if len(bad) >= limit:
+            break
+    return count, bad
+
+
+def test_every_crash_state_of_a_sharded_save_loads_the_previous_or_the_new_checkpoint(
+    sharded_trace: tuple[crashfs.Trace, dict[int, int]], tmp_path: Path
+) -> None:
+    trace, _ = sharded_trace
+    written = [op[1] for op in trace.ops if op[0] == "create"]
+    assert any(path.endswith(".distcp") for path in written) and any(".metadata" in path for path in written)
+    count, bad = sharded_failures(trace, tmp_path)
+    assert not bad, "\n".join(bad)
+    assert count > 100
+
+
+@pytest.mark.parametrize("which", ["a shard's data", "the shards' directory", "training_state.pt data"])
+def test_without_a_fsync_of_the_sharded_protocol_a_crash_state_loses_both(
+    sharded_trace: tuple[crashfs.Trace, dict[int, int]], tmp_path: Path, which: str
+) -> None:
+    trace, _ = sharded_trace
+    created = {op[2]: op[1] for op in trace.ops if op[0] == "create"}
+    made = {op[2]: op[1] for op in trace.ops if op[0] == "mkdir"}
+
+    def fsync_of(predicate: Any) -> set[int]:
+        names = {**created, **made}
+        return {i for i, op in enumerate(trace.ops) if op[0].startswith("fsync") and predicate(names.get(op[1], ""))}
+
+    dropped = {
+        "a shard's data": fsync_of(lambda path: path.endswith(".distcp")),
+        "the shards' directory": fsync_of(lambda path: path.endswith("/sharded")),
+        "training_state.pt data": fsync_of(lambda path: path.endswith("training_state.pt")),
+    }[which]
+    assert dropped, f"the save made no fsync of {which}"
+    _, bad = sharded_failures(_without(trace, lambda index, op: index in dropped), tmp_path, limit=1)
+    assert bad, f"no crash state loses both checkpoints without the fsync of {which}"
