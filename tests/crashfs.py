@@ -267,10 +267,11 @@ def _coalesced(ops: list[Op]) -> list[Op]:
     out: list[Op] = []
     for op in ops:
         last = out[-1] if out else None
-        if op[0] == "write" and last is not None and last[0] == "write" and last[1] == op[1]:
-            if op[2] == last[2] + len(last[3]):
-                out[-1] = ("write", op[1], last[2], last[3] + op[3])
-                continue
+        continues = last is not None and last[0] == "write" and last[1] == op[1] and op[2] == last[2] + len(last[3])
+        if op[0] == "write" and continues:
+            assert last is not None
+            out[-1] = ("write", op[1], last[2], last[3] + op[3])
+            continue
         out.append(op)
     return out
 
