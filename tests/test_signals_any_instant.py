@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.distributed.launch import audit_problems
 from tests.faults.early_signal import HERE as SCRIPT
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="real signals to child processes")
@@ -110,6 +111,7 @@ def test_a_signal_in_build_preempts_saves_nothing_and_the_next_launch_starts_fre
     second = [e for e in events(workspace) if e["attempt"] == 1]
     assert next(e for e in second if e["event"] == "restore")["resumed"] is False
     assert_same(parameters(workspace), straight)
+    assert audit_problems(workspace) == []  # trainfsm audit accepts a preemption in BUILD
 
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
@@ -139,6 +141,7 @@ def test_a_signal_during_a_slow_checkpoint_load_preempts_from_restore_and_the_ne
     resumed = [e for e in events(workspace) if e["attempt"] == 2]
     assert next(e for e in resumed if e["event"] == "checkpoint_loaded")["from_step"] == 4
     assert_same(parameters(workspace), straight)
+    assert audit_problems(workspace) == []  # and one in RESTORE
 
 
 def test_a_signal_no_policy_names_kills_the_process_as_its_default_action_would(tmp_path: Path) -> None:
