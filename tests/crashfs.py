@@ -261,15 +261,18 @@ def record(root: Path, action: Callable[[], Any]) -> Trace:
     return Trace(initial, data, _coalesced(ops))
 
 
+def _continues(last: Op, op: Op) -> bool:
+    """Whether ``op`` writes on in the same file right where the write ``last`` ended."""
+    return op[0] == last[0] == "write" and op[1] == last[1] and op[2] == last[2] + len(last[3])
+
+
 def _coalesced(ops: list[Op]) -> list[Op]:
     """Back-to-back writes that continue one another in one file become one write (DCP writes a
     shard in hundreds of small pieces): a crash may still tear it, which ``half written`` covers."""
     out: list[Op] = []
     for op in ops:
         last = out[-1] if out else None
-        continues = last is not None and last[0] == "write" and last[1] == op[1] and op[2] == last[2] + len(last[3])
-        if op[0] == "write" and continues:
-            assert last is not None
+        if last is not None and _continues(last, op):
             out[-1] = ("write", op[1], last[2], last[3] + op[3])
             continue
         out.append(op)

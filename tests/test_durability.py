@@ -66,9 +66,20 @@ def trace(tmp_path_factory: pytest.TempPathFactory) -> crashfs.Trace:
     return crashfs.record(root, save_and_prune)
 
 
-def failures(trace: crashfs.Trace, scratch: Path, limit: int = 3) -> tuple[int, list[str]]:
-    """(states checked, up to ``limit`` descriptions of states that do not load step 1 or step 2)."""
-    expected = {1: parts(1), 2: parts(2)}
+def full_save_problem(found: tuple[int, dict[str, Any]]) -> str:
+    step, loaded = found
+    return "" if same(loaded, parts(step)) else f"step {step} loads with other contents"
+
+
+def sharded_save_problem(found: tuple[int, dict[str, Any]]) -> str:
+    step, loaded = found  # verified: every rank's shards match the manifest
+    return "" if loaded["training_state"]["step"] == step else f"step {step} holds another step's state"
+
+
+def failures(
+    trace: crashfs.Trace, scratch: Path, problem: Any = full_save_problem, limit: int = 3
+) -> tuple[int, list[str]]:
+    """(states checked, up to ``limit`` descriptions of states that load neither step 1 nor step 2)."""
     bad: list[str] = []
     count = 0
     for description, tree, data in crashfs.crash_states(trace):
@@ -80,10 +91,9 @@ def failures(trace: crashfs.Trace, scratch: Path, limit: int = 3) -> tuple[int, 
         except Exception as exc:  # anything but CheckpointError (which the loader skips) is a failure
             bad.append(f"{description}: {type(exc).__name__}: {exc}")
         else:
-            if found is None:
-                bad.append(f"{description}: no checkpoint loads")
-            elif not same(found[1], expected[found[0]]):
-                bad.append(f"{description}: step {found[0]} loads with other contents")
+            what = "no checkpoint loads" if found is None else problem(found)
+            if what:
+                bad.append(f"{description}: {what}")
         shutil.rmtree(directory)
         if len(bad) >= limit:
             break
@@ -152,35 +162,13 @@ def sharded_trace(tmp_path_factory: pytest.TempPathFactory) -> tuple[crashfs.Tra
     return trace, {1: 1, 2: 2}
 
 
-def sharded_failures(trace: crashfs.Trace, scratch: Path, limit: int = 3) -> tuple[int, list[str]]:
-    bad: list[str] = []
-    count = 0
-    for description, tree, data in crashfs.crash_states(trace):
-        count += 1
-        directory = scratch / f"state{count}"
-        crashfs.materialize(tree, data, directory)
-        try:
-            found = newest_loadable(directory)  # every rank's shards verified against the manifest
-        except Exception as exc:
-            bad.append(f"{description}: {type(exc).__name__}: {exc}")
-        else:
-            if found is None:
-                bad.append(f"{description}: no checkpoint loads")
-            elif found[1]["training_state"]["step"] != found[0]:
-                bad.append(f"{description}: step {found[0]} holds another step's state")
-        shutil.rmtree(directory)
-        if len(bad) >= limit:
-            break
-    return count, bad
-
-
 def test_every_crash_state_of_a_sharded_save_loads_the_previous_or_the_new_checkpoint(
     sharded_trace: tuple[crashfs.Trace, dict[int, int]], tmp_path: Path
 ) -> None:
     trace, _ = sharded_trace
     written = [op[1] for op in trace.ops if op[0] == "create"]
     assert any(path.endswith(".distcp") for path in written) and any(".metadata" in path for path in written)
-    count, bad = sharded_failures(trace, tmp_path)
+    count, bad = failures(trace, tmp_path, sharded_save_problem)
     assert not bad, "\n".join(bad)
     assert count > 100
 
@@ -203,5 +191,5 @@ def test_without_a_fsync_of_the_sharded_protocol_a_crash_state_loses_both(
         "training_state.pt data": fsync_of(lambda path: path.endswith("training_state.pt")),
     }[which]
     assert dropped, f"the save made no fsync of {which}"
-    _, bad = sharded_failures(_without(trace, lambda index, op: index in dropped), tmp_path, limit=1)
+    _, bad = failures(_without(trace, lambda index, op: index in dropped), tmp_path, sharded_save_problem, limit=1)
     assert bad, f"no crash state loses both checkpoints without the fsync of {which}"
