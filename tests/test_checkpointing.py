@@ -617,16 +617,27 @@ def test_checkpoint_files_skip_torchs_crc32_and_still_load_with_plain_torch_load
 def test_a_format_1_checkpoint_with_one_sha256_per_file_still_loads(tmp_path: Path) -> None:
     run(tmp_path, 4)
     directory = tmp_path / "checkpoints" / "4"
+    as_older_format(directory, 1, lambda data: {"sha256": hashlib.sha256(data).hexdigest()})
+    assert_loads_then_finds_a_flipped_byte(directory, "sha256")
+
+
+def as_older_format(directory: Path, fmt: int, sums: Any) -> None:
+    """Rewrite a checkpoint's manifest as trainfsm wrote format ``fmt`` (sha256, no "checksum" key):
+    each file's entry is its size and ``sums(its bytes)``."""
     manifest = json.loads((directory / "manifest.json").read_text())
-    manifest["format"] = 1
+    manifest["format"] = fmt
+    manifest.pop("checksum", None)
     manifest["files"] = {
-        name: {"bytes": entry["bytes"], "sha256": hashlib.sha256((directory / name).read_bytes()).hexdigest()}
+        name: {"bytes": entry["bytes"], **sums((directory / name).read_bytes())}
         for name, entry in manifest["files"].items()
     }
     (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def assert_loads_then_finds_a_flipped_byte(directory: Path, algorithm: str) -> None:
     assert CheckpointStore.load(directory)["training_state"]["step"] == 4
     (directory / "model.pt").write_bytes(b"x" + (directory / "model.pt").read_bytes()[1:])
-    with pytest.raises(CheckpointError, match="does not match its sha256"):
+    with pytest.raises(CheckpointError, match=f"does not match its {algorithm}"):
         CheckpointStore.verify(directory)
 
 
@@ -683,9 +694,7 @@ def test_checksum_sha256_is_named_in_the_manifest_and_verified(tmp_path: Path) -
     assert manifest["checksum"] == "sha256"
     for name, entry in manifest["files"].items():
         assert entry["chunks"] == chunk_sums((directory / name).read_bytes(), checksum="sha256")
-    (directory / "model.pt").write_bytes(b"x" + (directory / "model.pt").read_bytes()[1:])
-    with pytest.raises(CheckpointError, match="does not match its sha256"):
-        CheckpointStore.verify(directory)
+    assert_loads_then_finds_a_flipped_byte(directory, "sha256")
 
 
 def test_a_checkpoint_resumes_whichever_checksum_wrote_it(tmp_path: Path) -> None:
@@ -702,22 +711,12 @@ def test_a_format_2_or_3_manifest_of_sha256_chunks_still_loads_and_verifies(tmp_
     """What trainfsm wrote before format 4: no "checksum" key, a "sha256_chunks" list per file."""
     run(tmp_path, 4)
     directory = tmp_path / "checkpoints" / "4"
-    manifest = json.loads((directory / "manifest.json").read_text())
-    manifest["format"] = 3 if sharded else 2
-    del manifest["checksum"]
-    manifest["files"] = {
-        name: {
-            "bytes": entry["bytes"],
-            "chunk_bytes": CHUNK_BYTES,
-            "sha256_chunks": chunk_sums((directory / name).read_bytes(), checksum="sha256"),
-        }
-        for name, entry in manifest["files"].items()
-    }
-    (directory / "manifest.json").write_text(json.dumps(manifest))
-    assert CheckpointStore.load(directory)["training_state"]["step"] == 4
-    (directory / "model.pt").write_bytes(b"x" + (directory / "model.pt").read_bytes()[1:])
-    with pytest.raises(CheckpointError, match="does not match its sha256"):
-        CheckpointStore.verify(directory)
+    as_older_format(
+        directory,
+        3 if sharded else 2,
+        lambda data: {"chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(data, checksum="sha256")},
+    )
+    assert_loads_then_finds_a_flipped_byte(directory, "sha256")
 
 
 def test_a_manifest_naming_an_unknown_checksum_is_skipped_with_the_reason(tmp_path: Path) -> None:
