@@ -8,7 +8,6 @@ import os
 import pickle
 import random
 import signal
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ from torch import nn
 
 from tests.helpers import read_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointError, CheckpointingHook
-from trainfsm.checkpoint import CHUNK_BYTES, CheckpointStore
+from trainfsm.checkpoint import CheckpointStore
+from trainfsm.checkpoint_io import BUFFER_BYTES, DurableWriter, Staging, open_for_writing
 
 
 class Trainer(BaseTrainer):
@@ -81,13 +81,12 @@ def test_layout_one_directory_per_step_with_manifest_and_latest_link(tmp_path: P
     assert sorted(p.name for p in (root / "8").iterdir()) == ["manifest.json", "model.pt", "training_state.pt"]
     assert (root / "latest").is_symlink() and os.readlink(root / "latest") == "8"
     manifest = json.loads((root / "8" / "manifest.json").read_text())
-    assert manifest["step"] == 8 and manifest["format"] == 4
+    assert manifest["step"] == 8 and manifest["format"] == 5
     assert manifest["checksum"] == "xxh3_128"  # the default, named in the manifest
     assert set(manifest["versions"]) == {"trainfsm", "torch", "python"}
     for name, entry in manifest["files"].items():
         assert (root / "8" / name).stat().st_size == entry["bytes"]
-        assert entry["chunk_bytes"] == CHUNK_BYTES and len(entry["chunks"]) == 1  # small files: one chunk
-        assert len(entry["chunks"][0]) == 32  # 128 bits
+        assert set(entry) == {"bytes", "digest"} and len(entry["digest"]) == 32  # one 128-bit sum a file
 
 
 def test_saves_at_interval_keep_steps_and_last_step_then_prunes(tmp_path: Path) -> None:
@@ -358,7 +357,7 @@ def _disk_full(*_: Any, **__: Any) -> None:
 
 def test_a_failed_save_loses_no_earlier_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run(tmp_path, 4)
-    monkeypatch.setattr("trainfsm.checkpoint._DurableWriter.write", _disk_full)
+    monkeypatch.setattr("trainfsm.checkpoint_io.DurableWriter.write", _disk_full)
     trainer = Trainer(CheckpointingHook(interval=4), max_steps=8, workspace=tmp_path)
     with pytest.raises(OSError, match="No space left"):
         trainer.train()
@@ -369,7 +368,7 @@ def test_a_failed_save_loses_no_earlier_checkpoint(tmp_path: Path, monkeypatch: 
 
 
 def test_a_failed_async_save_raises_at_the_next_step_or_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("trainfsm.checkpoint._DurableWriter.write", _disk_full)
+    monkeypatch.setattr("trainfsm.checkpoint_io.DurableWriter.write", _disk_full)
     trainer = Trainer(CheckpointingHook(interval=4, async_save=True), max_steps=8, workspace=tmp_path)
     with pytest.raises(CheckpointError, match="asynchronous checkpoint save failed: OSError"):
         trainer.train()
@@ -454,15 +453,20 @@ def test_an_unwritable_checkpoint_directory_fails_the_save_and_keeps_the_old_one
     assert events(tmp_path)[-1]["reason"] == "failed"
 
 
-def chunk_sums(data: bytes, chunk: int = CHUNK_BYTES, checksum: str = "xxh3_128") -> list[str]:
-    new = hashlib.sha256 if checksum == "sha256" else xxhash.xxh3_128
-    return [new(data[i : i + chunk]).hexdigest() for i in range(0, max(len(data), 1), chunk)]
+OLD_CHUNK = 4 << 20  # formats 2-4 listed a sum per 4 MiB
+
+
+def file_sum(data: bytes, checksum: str = "xxh3_128") -> str:
+    return (hashlib.sha256 if checksum == "sha256" else xxhash.xxh3_128)(data).hexdigest()
+
+
+def chunk_sums(data: bytes, checksum: str) -> list[str]:
+    return [file_sum(data[i : i + OLD_CHUNK], checksum) for i in range(0, max(len(data), 1), OLD_CHUNK)]
 
 
 @pytest.mark.parametrize("megabytes", [0, 9])
-def test_manifest_checksums_are_the_xxh3_128_of_each_4_mib_of_the_files_on_disk(tmp_path: Path, megabytes: int) -> None:
-    # Large CPU tensors are hashed after write() returned (from torch's views of their storage),
-    # small writes are copied first; 4 x 9 MiB crosses chunk boundaries inside tensors.
+def test_manifest_checksums_are_the_xxh3_128_of_the_files_on_disk(tmp_path: Path, megabytes: int) -> None:
+    # Large tensors cross the staging buffers' boundaries (4 x 9 MiB); small writes share a buffer.
     generator = torch.Generator().manual_seed(0)
     state = {f"w{i}": torch.randn(megabytes * 2**18 + 17, generator=generator) for i in range(4)}
     state["small"] = torch.arange(10)
@@ -470,63 +474,44 @@ def test_manifest_checksums_are_the_xxh3_128_of_each_4_mib_of_the_files_on_disk(
     manifest = json.loads((checkpoint.path / "manifest.json").read_text())
     for name, entry in manifest["files"].items():
         data = (checkpoint.path / name).read_bytes()
-        assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "chunks": chunk_sums(data)}
-    assert len(manifest["files"]["model.pt"]["chunks"]) == (10 if megabytes else 1)  # 36 MiB and headers
+        assert entry == {"bytes": len(data), "digest": file_sum(data)}
     loaded = CheckpointStore.load(checkpoint.path)["model"]
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
 def write_file(path: Path, pieces: list[Any], direct: bool = True) -> tuple[dict[str, Any], bool]:
-    """The manifest entry _DurableWriter gives a file written in ``pieces``, and whether it
+    """The manifest entry DurableWriter gives a file written in ``pieces``, and whether it
     still wrote past the page cache at the end."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from trainfsm.checkpoint import _DurableWriter, _Staging
-
-    with ThreadPoolExecutor(1) as io, ThreadPoolExecutor(2) as hashers:
-        writer = _DurableWriter(path, io, hashers, _Staging(), direct=direct)
+    with ThreadPoolExecutor(2) as io:
+        writer = DurableWriter(path, io, Staging(), direct=direct)
         for piece in pieces:
             writer.write(piece)
         entry = writer.finish()
         return entry, writer._direct
 
 
-def test_a_file_of_exactly_one_chunk_has_one_sum(tmp_path: Path) -> None:
-    data = bytes(range(256)) * (CHUNK_BYTES // 256)
+def test_a_file_of_exactly_one_buffer_has_the_sum_of_its_bytes(tmp_path: Path) -> None:
+    data = bytes(range(256)) * (BUFFER_BYTES // 256)
     entry, _ = write_file(tmp_path / "f", [data[:100], data[100:]])
-    assert entry["chunks"] == chunk_sums(data) and len(entry["chunks"]) == 1
+    assert entry == {"bytes": len(data), "digest": file_sum(data)}
+    assert (tmp_path / "f").read_bytes() == data
 
 
 def test_an_empty_file_has_the_sum_of_no_bytes(tmp_path: Path) -> None:
     entry, _ = write_file(tmp_path / "f", [])
-    assert entry == {"bytes": 0, "chunk_bytes": CHUNK_BYTES, "chunks": chunk_sums(b"")}
+    assert entry == {"bytes": 0, "digest": file_sum(b"")}
     assert (tmp_path / "f").read_bytes() == b""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own priority is a Linux feature")
-def test_hashing_threads_run_below_the_thread_that_writes_the_file(tmp_path: Path) -> None:
-    # The hashers yield the CPU to the thread that copies the file into the staging buffers, so the
-    # disk gets its next buffer early (benchmarks/checkpoint.py measures what that buys).
-    import threading
-
-    from trainfsm.checkpoint import HASH_NICE, _hash_pool
-
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    with _hash_pool("test") as pool:
-        theirs = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
-    assert theirs == min(19, mine + HASH_NICE)
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # this thread is untouched
 
 
 def test_a_buffer_reused_after_write_returned_does_not_change_the_file(tmp_path: Path) -> None:
     # Device tensors reach write() as temporary host buffers that torch frees or reuses afterwards.
     from concurrent.futures import ThreadPoolExecutor
 
-    from trainfsm.checkpoint import _DurableWriter, _Staging
-
     buffer = bytearray(b"a" * (20 << 20))
-    with ThreadPoolExecutor(1) as io, ThreadPoolExecutor(2) as hashers:
-        writer = _DurableWriter(tmp_path / "f", io, hashers, _Staging(), direct=True)
+    with ThreadPoolExecutor(2) as io:
+        writer = DurableWriter(tmp_path / "f", io, Staging(), direct=True)
         writer.write(b"header")
         writer.write(buffer)
         buffer[:] = b"b" * len(buffer)  # what a reused buffer looks like after write() returned
@@ -534,13 +519,11 @@ def test_a_buffer_reused_after_write_returned_does_not_change_the_file(tmp_path:
         entry = writer.finish()
     data = (tmp_path / "f").read_bytes()
     assert data == b"header" + b"a" * (20 << 20) + b"b" * (20 << 20)
-    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "chunks": chunk_sums(data)}
+    assert entry == {"bytes": len(data), "digest": file_sum(data)}
 
 
 def _direct_io_works(directory: Path) -> bool:
-    from trainfsm.checkpoint import _open_for_writing
-
-    fd, direct = _open_for_writing(directory / "probe", True)
+    fd, direct = open_for_writing(directory / "probe", True)
     os.close(fd)
     return direct
 
@@ -548,11 +531,11 @@ def _direct_io_works(directory: Path) -> bool:
 def test_files_bypass_the_page_cache_and_are_cut_to_their_size(tmp_path: Path) -> None:
     if not _direct_io_works(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
-    data = os.urandom(3 * CHUNK_BYTES + 1234)  # the last buffer is padded for O_DIRECT, then cut
+    data = os.urandom(3 * BUFFER_BYTES + 1234)  # the last buffer is padded for O_DIRECT, then cut
     entry, direct = write_file(tmp_path / "f", [data[:10], data[10:]])
     assert direct
     assert (tmp_path / "f").read_bytes() == data
-    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "chunks": chunk_sums(data)}
+    assert entry == {"bytes": len(data), "digest": file_sum(data)}
 
 
 def test_a_write_that_refuses_o_direct_goes_on_through_the_page_cache(
@@ -574,18 +557,18 @@ def test_a_write_that_refuses_o_direct_goes_on_through_the_page_cache(
         return pwrite(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", picky)
-    data = os.urandom(2 * CHUNK_BYTES + 99)
+    data = os.urandom(2 * BUFFER_BYTES + 99)
     entry, direct = write_file(tmp_path / "f", [data])
     assert refused and not direct  # the first write to reach the disk is refused (maybe a second one too)
     assert (tmp_path / "f").read_bytes() == data
-    assert entry == {"bytes": len(data), "chunk_bytes": CHUNK_BYTES, "chunks": chunk_sums(data)}
+    assert entry == {"bytes": len(data), "digest": file_sum(data)}
 
 
 def test_without_direct_io_files_go_through_the_page_cache(tmp_path: Path) -> None:
-    data = os.urandom(CHUNK_BYTES + 5)
+    data = os.urandom(BUFFER_BYTES + 5)
     entry, direct = write_file(tmp_path / "f", [data], direct=False)
     assert not direct and (tmp_path / "f").read_bytes() == data
-    assert entry["chunks"] == chunk_sums(data)
+    assert entry["digest"] == file_sum(data)
 
 
 def test_a_disk_full_in_the_background_write_loses_no_earlier_checkpoint(
@@ -603,7 +586,7 @@ def test_a_disk_full_in_the_background_write_loses_no_earlier_checkpoint(
 
 
 def test_checkpoint_files_skip_torchs_crc32_and_still_load_with_plain_torch_load(tmp_path: Path) -> None:
-    # The sha256 sums cover every byte, so torch's per-record crc32 (half of torch.save's time) is
+    # The manifest's sums cover every byte, so torch's per-record crc32 (half of torch.save's time) is
     # left out; this also checks that the installed torch still takes that path.
     state = {"w": torch.randn(1000), "b": torch.arange(3)}
     checkpoint, _, _ = CheckpointStore(tmp_path).save(1, {"model": state}, keep=False)
@@ -621,12 +604,14 @@ def test_a_format_1_checkpoint_with_one_sha256_per_file_still_loads(tmp_path: Pa
     assert_loads_then_finds_a_flipped_byte(directory, "sha256")
 
 
-def as_older_format(directory: Path, fmt: int, sums: Any) -> None:
-    """Rewrite a checkpoint's manifest as trainfsm wrote format ``fmt`` (sha256, no "checksum" key):
-    each file's entry is its size and ``sums(its bytes)``."""
+def as_older_format(directory: Path, fmt: int, sums: Any, checksum: str | None = None) -> None:
+    """Rewrite a checkpoint's manifest as trainfsm wrote format ``fmt`` (formats 1-3: sha256 and no
+    "checksum" key): each file's entry is its size and ``sums(its bytes)``."""
     manifest = json.loads((directory / "manifest.json").read_text())
     manifest["format"] = fmt
     manifest.pop("checksum", None)
+    if checksum is not None:
+        manifest["checksum"] = checksum
     manifest["files"] = {
         name: {"bytes": entry["bytes"], **sums((directory / name).read_bytes())}
         for name, entry in manifest["files"].items()
@@ -641,8 +626,8 @@ def assert_loads_then_finds_a_flipped_byte(directory: Path, algorithm: str) -> N
         CheckpointStore.verify(directory)
 
 
-def test_a_flipped_byte_in_a_later_chunk_is_found(tmp_path: Path) -> None:
-    state = {"w": torch.randn(9 << 20)}  # 36 MiB: three chunks
+def test_a_flipped_byte_deep_in_a_large_file_is_found(tmp_path: Path) -> None:
+    state = {"w": torch.randn(9 << 20)}  # 36 MiB: nine staging buffers
     checkpoint, _, _ = CheckpointStore(tmp_path).save(1, {"model": state}, keep=False)
     model = checkpoint.path / "model.pt"
     with open(model, "r+b") as f:
@@ -693,7 +678,7 @@ def test_checksum_sha256_is_named_in_the_manifest_and_verified(tmp_path: Path) -
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["checksum"] == "sha256"
     for name, entry in manifest["files"].items():
-        assert entry["chunks"] == chunk_sums((directory / name).read_bytes(), checksum="sha256")
+        assert entry["digest"] == file_sum((directory / name).read_bytes(), "sha256")
     assert_loads_then_finds_a_flipped_byte(directory, "sha256")
 
 
@@ -714,9 +699,20 @@ def test_a_format_2_or_3_manifest_of_sha256_chunks_still_loads_and_verifies(tmp_
     as_older_format(
         directory,
         3 if sharded else 2,
-        lambda data: {"chunk_bytes": CHUNK_BYTES, "sha256_chunks": chunk_sums(data, checksum="sha256")},
+        lambda data: {"chunk_bytes": OLD_CHUNK, "sha256_chunks": chunk_sums(data, "sha256")},
     )
     assert_loads_then_finds_a_flipped_byte(directory, "sha256")
+
+
+@pytest.mark.parametrize("checksum", ["xxh3_128", "sha256"])
+def test_a_format_4_manifest_of_chunk_sums_still_loads_and_verifies(tmp_path: Path, checksum: str) -> None:
+    """What trainfsm wrote before format 5: the manifest names its checksum, each file lists a sum per 4 MiB."""
+    run(tmp_path, 4)
+    directory = tmp_path / "checkpoints" / "4"
+    as_older_format(
+        directory, 4, lambda data: {"chunk_bytes": OLD_CHUNK, "chunks": chunk_sums(data, checksum)}, checksum
+    )
+    assert_loads_then_finds_a_flipped_byte(directory, checksum)
 
 
 def test_a_manifest_naming_an_unknown_checksum_is_skipped_with_the_reason(tmp_path: Path) -> None:

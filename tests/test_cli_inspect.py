@@ -31,11 +31,13 @@ def test_inspect_verifies_and_prints_the_contents(checkpoint: Path, capsys: pyte
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == f"checkpoint {checkpoint}"
-    assert lines[1] == "verified: manifest format 4, 3 files, sizes and xxh3_128 checksums match"
+    assert lines[1] == "verified: manifest format 5, 3 files, sizes and xxh3_128 checksums match"
     assert lines[2].startswith("step 4, kept: no, created ")
     assert "trainfsm 0.1.0" in lines[3] and f"torch {torch.__version__}" in lines[3]
     for name in ("manifest.json", "model.pt", "training_state.pt", "hooks.pt"):
         assert any(line.strip().startswith(name) for line in lines), name
+    digest = json.loads((checkpoint / "manifest.json").read_text())["files"]["model.pt"]["digest"]
+    assert any(line.split()[:1] == ["model.pt"] and line.endswith(f"xxh3_128 {digest[:16]}...") for line in lines)
     model = [line.split() for line in lines if line.startswith("  weight") or line.startswith("  bias")]
     assert model == [["weight", "(1,", "3)", "float32"], ["bias", "(1,)", "float32"]]
     assert "model (model.pt): 2 entries, 4 values, 16 B" in out
@@ -106,7 +108,7 @@ def test_inspect_verifies_a_sharded_checkpoint_and_lists_its_keys_without_a_proc
     code, out, err = cli(capsys, "inspect", checkpoint)
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[1] == "verified: manifest format 4, 3 files, sizes and xxh3_128 checksums match"
+    assert lines[1] == "verified: manifest format 5, 3 files, sizes and xxh3_128 checksums match"
     shards = [line.split() for line in lines if line.strip().startswith("sharded/")]
     assert [(s[0], s[-2:]) for s in shards] == [
         ("sharded/.metadata", ["rank", "0"]), ("sharded/__0_0.distcp", ["rank", "0"]),

@@ -28,22 +28,16 @@ from tests.distributed.launch import ROOT, audit_problems, events, free_port, ru
 from tests.test_checkpointing import Trainer, params, run
 from tests.test_checkpointing import events as trail
 from trainfsm import CheckpointError, CheckpointingHook
-from trainfsm.checkpoint import CHUNK_BYTES, CheckpointStore
+from trainfsm.checkpoint import CheckpointStore
 
 WORKER = Path(sharded_worker.__file__)
 WORLD = 2
 distributed = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
 
 
-def chunk_sums(path: Path, chunk: int = CHUNK_BYTES) -> list[str]:
-    """The xxh3_128 of each chunk: the default checksum."""
-    data = path.read_bytes()
-    return [xxhash.xxh3_128(data[i : i + chunk]).hexdigest() for i in range(0, max(len(data), 1), chunk)]
-
-
-def sha256_chunks(path: Path, chunk: int = CHUNK_BYTES) -> list[str]:
-    data = path.read_bytes()
-    return [hashlib.sha256(data[i : i + chunk]).hexdigest() for i in range(0, max(len(data), 1), chunk)]
+def file_sum(path: Path, checksum: str = "xxh3_128") -> str:
+    """The file's checksum as its manifest entry holds it ("digest"): xxh3_128 by default."""
+    return (hashlib.sha256 if checksum == "sha256" else xxhash.xxh3_128)(path.read_bytes()).hexdigest()
 
 
 def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -75,11 +69,11 @@ def test_sharded_save_writes_dcp_files_beside_training_state_and_lists_them_in_t
         "manifest.json", "sharded/.metadata", "sharded/__0_0.distcp", "training_state.pt",
     ]  # fmt: skip
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    assert (manifest["format"], manifest["sharded"], manifest["world_size"]) == (4, True, 1)
+    assert (manifest["format"], manifest["sharded"], manifest["world_size"]) == (5, True, 1)
     assert sorted(manifest["files"]) == on_disk[1:]
     for name, entry in manifest["files"].items():
         assert entry["bytes"] == (checkpoint / name).stat().st_size
-        assert entry["chunks"] == chunk_sums(checkpoint / name)
+        assert entry["digest"] == file_sum(checkpoint / name)
     assert manifest["files"]["sharded/__0_0.distcp"]["rank"] == 0
     [saved] = trail(tmp_path, "checkpoint_saved")
     assert saved["sharded"] is True and saved["world_size"] == 1
@@ -92,7 +86,7 @@ def test_a_sharded_save_uses_the_hooks_checksum_for_every_file(tmp_path: Path) -
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     assert manifest["checksum"] == "sha256"
     for name, entry in manifest["files"].items():  # the shards DCP wrote, described by the same hash
-        assert entry["chunks"] == sha256_chunks(checkpoint / name)
+        assert entry["digest"] == file_sum(checkpoint / name, "sha256")
     resumed = run(tmp_path, 8, sharded=True)  # an xxh3_128 hook loads it, verifying sha256
     assert resumed.step == 8 and trail(tmp_path, "checkpoint_loaded")[0]["from_step"] == 4
 
@@ -118,7 +112,7 @@ def test_async_sharded_saves_write_the_same_files_in_the_background_and_resume_e
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     assert sorted(manifest["files"]) == ["sharded/.metadata", "sharded/__0_0.distcp", "training_state.pt"]
     for name, entry in manifest["files"].items():
-        assert entry["chunks"] == chunk_sums(checkpoint / name)
+        assert entry["digest"] == file_sum(checkpoint / name)
 
 
 def test_a_staged_shard_is_the_cpu_copy_the_writer_fills_whatever_device_the_mesh_has() -> None:
@@ -195,7 +189,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path: Path, capsys: pyt
     manifest = json.loads((checkpoint / "manifest.json").read_text())  # a matching manifest: sums pass
     entry = manifest["files"]["sharded/.metadata"]
     entry.update(bytes=(checkpoint / "sharded" / ".metadata").stat().st_size)
-    entry.update(chunks=chunk_sums(checkpoint / "sharded" / ".metadata"))
+    entry.update(digest=file_sum(checkpoint / "sharded" / ".metadata"))
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
     trainer = Trainer(CheckpointingHook(interval=4, load="4"), max_steps=4, workspace=tmp_path)
     with pytest.raises(CheckpointError, match=r"refers to builtins.print.*not loaded \(it could run code\)"):
@@ -227,15 +221,12 @@ def test_every_rank_writes_its_shard_and_the_manifest_lists_all_of_them(runs: tu
         "manifest.json", "sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "training_state.pt",
     ]  # fmt: skip
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    assert (manifest["format"], manifest["sharded"], manifest["world_size"]) == (4, True, WORLD)
+    assert (manifest["format"], manifest["sharded"], manifest["world_size"]) == (5, True, WORLD)
     assert {name: entry.get("rank") for name, entry in manifest["files"].items()} == {
         "sharded/.metadata": 0, "sharded/__0_0.distcp": 0, "sharded/__1_0.distcp": 1, "training_state.pt": None,
     }  # fmt: skip
     for name, entry in manifest["files"].items():
-        assert (entry["bytes"], entry["chunks"]) == (
-            (checkpoint / name).stat().st_size,
-            chunk_sums(checkpoint / name),
-        )
+        assert (entry["bytes"], entry["digest"]) == ((checkpoint / name).stat().st_size, file_sum(checkpoint / name))
     ranks = torch.load(checkpoint / "training_state.pt", weights_only=True)["ranks"]
     assert len(ranks) == WORLD  # each rank's random state and data position
     saved = [e for e in events(out / "resume", 0) if e["event"] == "checkpoint_saved"]
@@ -278,7 +269,7 @@ def test_async_sharded_saves_resume_exactly_on_the_same_world_size(runs: tuple[P
         "sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "training_state.pt",
     ]  # fmt: skip
     for name, entry in manifest["files"].items():
-        assert entry["chunks"] == chunk_sums(checkpoint / name)
+        assert entry["digest"] == file_sum(checkpoint / name)
     assert summary(events(out / "async", 0)) == summary(events(out / "async", 1))
     assert audit_problems(out / "async") == []
 

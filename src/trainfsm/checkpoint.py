@@ -20,63 +20,63 @@ Why each step of a save is there (a crash may happen between any two of them):
 
 Loading checks the manifest (format, sizes, checksums) before ``torch.load(weights_only=True)``
 touches a byte, so neither a truncated file nor a pickle that would run code is ever unpickled.
+A checkpoint that fails the check is skipped for the next older one (``candidates``).
 
-Checksums: ``xxh3_128`` by default (the ``xxhash`` package, ~10x sha256's speed on one core), or
-``sha256`` (``checksum=``). A checksum stored beside the data guards against torn writes, bit rot
-and truncation, not against someone who can rewrite the manifest as well, so a cryptographic hash
-buys nothing by default. The manifest (format 4) names its algorithm and a load verifies with
-whichever one it names; manifests of formats 1-3 (sha256) still load and verify.
+Checksums: ``xxh3_128`` by default, or ``sha256`` (``checksum=``). A checksum stored beside the
+data guards against torn writes, bit rot and truncation, not against someone who can rewrite the
+manifest as well, so a cryptographic hash buys nothing by default. The manifest (format 5) names
+its algorithm and a load verifies with whichever one it names; manifests of formats 1-4 still
+load and verify.
 
-A sharded checkpoint (``CheckpointingHook(sharded=...)``, manifest format 3) is made the same way:
-every rank writes its shards into the one temporary directory rank 0 made (``begin``), describes
-its files (``describe_file``), and rank 0 lists them all in the manifest (``save(..., into=...,
+A sharded checkpoint (``CheckpointingHook(sharded=...)``) is made the same way: every rank writes
+its shards into the one temporary directory rank 0 made (``begin``), describes its files
+(``describe_file``), and rank 0 lists them all in the manifest (``save(..., into=...,
 written=...)``), so it is complete only when every rank's part is durable.
+
+How the bytes get to the disk fast (staging buffers, ``O_DIRECT``, checksums on the way) is
+``checkpoint_io``'s business; this module is the order in which they must get there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import hashlib
 import json
-import mmap
 import os
-import pickle
 import platform
 import shutil
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Final, cast
+from typing import Any, Final
 
 import torch
+
+from trainfsm.checkpoint_io import (
+    CHECKSUMS,
+    IO_THREADS,
+    DurableWriter,
+    Staging,
+    check_checksum,
+    digest,
+    file_sums,
+    fsync_dir,
+    serialize,
+    write_durable,
+)
 
 MANIFEST: Final = "manifest.json"
 LATEST: Final = "latest"
 KEEP_SUFFIX: Final = "_keep"
 TMP_PREFIX: Final = ".tmp-"
-#: 4: the manifest names its "checksum" algorithm, each file lists one sum per CHUNK_BYTES ("chunks"),
-#: a sharded one adds "sharded", "world_size" and each shard's writer ("rank"). Still read, all sha256:
-#: 3 (format 2, sharded), 2 (a sha256 per chunk, "sha256_chunks"), 1 (one sha256 per file).
-FORMAT: Final = 4
-READS: Final = (1, 2, 3, 4)
-#: The checksums a store writes and reads: the manifest's "checksum" names one of them.
-CHECKSUMS: Final = ("xxh3_128", "sha256")
-CHUNK_BYTES: Final = 4 << 20  # small enough that hashing starts early and the last chunk is hashed soon
-# Staging buffers: the disk writes some while torch fills the next. One chunk each: 4 MiB writes kept
-# the disk here busier than 8 or 16 MiB ones (200 MB: ~0.104 s against ~0.113 s). Two writes in
-# flight (IO_THREADS) and six buffers, so that two hashes and two writes can run while torch fills
-# the next two, were ~5% faster again than one write and four buffers.
-BUFFER_BYTES: Final = CHUNK_BYTES
-BUFFERS: Final = 6
-IO_THREADS: Final = 2
-ALIGN: Final = 4096  # O_DIRECT: buffer addresses, file offsets and lengths are multiples of this
-HASH_NICE: Final = 10  # how much lower than their creator the hashing threads run (see _hash_pool)
+#: 5: the manifest names its "checksum" algorithm and each file has one sum of it ("digest"); a
+#: sharded one adds "sharded", "world_size" and each shard's writer ("rank"). Still read: 4 (the
+#: same with a sum per chunk, "chunks"), and, all sha256, 3 (format 2, sharded), 2 (a sum per
+#: chunk, "sha256_chunks"), 1 (one sum per file, "sha256").
+FORMAT: Final = 5
+READS: Final = (1, 2, 3, 4, 5)
 
 
 class CheckpointError(RuntimeError):
@@ -90,84 +90,15 @@ class Checkpoint:
     kept: bool
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: Path, data: bytes, checksum: str = "xxh3_128") -> str:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return _hex(checksum, data)
-
-
-def digest(checksum: str) -> Callable[[], Any]:
-    """A new hash object of ``checksum`` (``update``, ``hexdigest``)."""
-    if checksum == "sha256":
-        return hashlib.sha256
-    if checksum == "xxh3_128":
-        import xxhash  # a dependency; imported where used, like every heavier import here
-
-        return cast(Callable[[], Any], xxhash.xxh3_128)
-    raise CheckpointError(f"unknown checksum {checksum!r} (this trainfsm knows {', '.join(CHECKSUMS)})")
-
-
-def _hex(checksum: str, data: Any) -> str:
-    hasher = digest(checksum)()
-    hasher.update(data)
-    return str(hasher.hexdigest())
-
-
-def check_checksum(owner: str, checksum: Any) -> str:
-    if checksum not in CHECKSUMS:
-        raise ValueError(
-            f"{owner} checksum must be one of {', '.join(repr(c) for c in CHECKSUMS)} (xxh3_128: fast, the "
-            f"default; sha256: cryptographic); got {checksum!r}."
-        )
-    return str(checksum)
-
-
-def _matches(file: Path, expected: dict[str, Any], pool: ThreadPoolExecutor, checksum: str) -> bool:
-    """Whether ``file`` has the sums its manifest entry lists (per chunk; format 1: one sha256 whole)."""
+def _matches(file: Path, expected: dict[str, Any], checksum: str) -> bool:
+    """Whether ``file`` has the sum(s) its manifest entry lists."""
+    if "digest" in expected:
+        return file_sums(file, checksum) == [expected["digest"]]
     sums = expected.get("chunks", expected.get("sha256_chunks"))
     if sums is not None:
         chunk = expected.get("chunk_bytes")
-        if not isinstance(chunk, int) or chunk <= 0:
-            return False
-        return bool(_file_sums(file, chunk, pool, checksum) == sums)
-    whole = digest("sha256")()
-    with open(file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            whole.update(block)
-    return bool(whole.hexdigest() == expected.get("sha256"))
-
-
-def _lower_priority() -> None:
-    """Run this thread ``HASH_NICE`` levels below the one that made it (Linux only: elsewhere a
-    thread's priority is not its own, and setting it would slow the whole process)."""
-    if not sys.platform.startswith("linux"):
-        return
-    me = threading.get_native_id()
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + HASH_NICE))
-
-
-def _hash_pool(purpose: str) -> ThreadPoolExecutor:
-    """Two threads for sha256 work (hashlib releases the GIL), below the thread that writes.
-
-    Hashing takes more CPU than anything else in a save (~0.14 core-seconds per 200 MB), so on a
-    small machine it competes with the thread that serializes the file into the staging buffers.
-    That thread is what the disk waits for: given way to, it fills the next buffer early and the
-    disk stays busy while the hashers catch up (a 200 MB save here went from ~0.135 s to ~0.115 s
-    with this alone). During an asynchronous save the same priority keeps the hashers behind the
-    training thread.
-    """
-    return ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"trainfsm-{purpose}", initializer=_lower_priority)
+        return isinstance(chunk, int) and chunk > 0 and file_sums(file, checksum, chunk) == sums
+    return file_sums(file, "sha256") == [expected.get("sha256")]
 
 
 def parse_step(name: str) -> tuple[int, bool] | None:
@@ -177,237 +108,11 @@ def parse_step(name: str) -> tuple[int, bool] | None:
     return (int(digits), kept) if digits.isdigit() else None
 
 
-class _Staging:
-    """The page-aligned buffers a store copies every file it writes through (``BUFFERS`` x
-    ``BUFFER_BYTES``), touched once when made and reused by every save: no save waits for the
-    kernel to find fresh pages for it, neither here nor in the page cache."""
-
-    def __init__(self) -> None:
-        self.views = [memoryview(mmap.mmap(-1, BUFFER_BYTES)) for _ in range(BUFFERS)]  # a view keeps its map
-        zeros = bytes(BUFFER_BYTES)
-        for view in self.views:
-            view[:] = zeros
-
-
-def _open_for_writing(path: Path, direct: bool) -> tuple[int, bool]:
-    """A new file's descriptor, and whether it writes past the page cache (``O_DIRECT``)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-    o_direct = getattr(os, "O_DIRECT", 0)
-    if direct and o_direct:
-        with contextlib.suppress(OSError):  # tmpfs and some network or FUSE file systems refuse it
-            return os.open(path, flags | o_direct, 0o644), True
-    return os.open(path, flags, 0o644), False
-
-
-class _DurableWriter:
-    """The file ``torch.save`` writes into: copies it through the store's staging buffers, each
-    of which is hashed and written in the background while torch fills the next.
-
-    Why not let torch write into the page cache and fsync at the end, as ``torch.save`` + fsync
-    does? That costs a copy into freshly allocated page-cache pages, then a writeback that only
-    starts when asked, then a sha256 pass; on a small machine those compete for the same cores.
-    Here:
-
-    - the files are opened with ``O_DIRECT`` where the file system allows it, so the disk reads
-      each full buffer straight from our (page-aligned, reused) memory (two writes in flight) and
-      is busy from the first 4 MiB on; a checkpoint also never pushes the training data out of the page cache.
-      Where ``O_DIRECT`` is refused (at ``open`` or at a write), the same buffers are written
-      through the page cache instead, and ``finish`` fsyncs them;
-    - each buffer is one ``CHUNK_BYTES`` chunk of the file, hashed by one of the store's two hashing
-      threads (hashlib releases the GIL); the manifest lists one sha256 per chunk;
-    - ``write`` copies the bytes before it returns, so torch may free or reuse what it passed
-      (device tensors reach it through temporary host buffers);
-    - a buffer is reused only when its write and its hashes are done; an error in either surfaces
-      at the next use of that buffer or in ``finish``, never later.
-
-    The last buffer is padded to ``ALIGN`` bytes for ``O_DIRECT`` and the file cut back to its size.
-    """
-
-    def __init__(
-        self,
-        path: Path,
-        io: ThreadPoolExecutor,
-        hashers: ThreadPoolExecutor,
-        staging: _Staging,
-        *,
-        direct: bool,
-        checksum: str = "xxh3_128",
-    ) -> None:
-        self._path = path
-        self._checksum = checksum
-        self._fd, self._direct = _open_for_writing(path, direct)
-        self._direct_fd = self._fd if self._direct else -1
-        self._switching = threading.Lock()
-        self._io = io
-        self._hashers = hashers
-        self._buffers = staging.views
-        self._busy: list[list[Future[Any]]] = [[] for _ in self._buffers]  # what still uses each buffer
-        self._current = 0
-        self._filled = 0  # bytes in the current buffer
-        self._offset = 0  # where the current buffer starts in the file
-        self._sums: list[Future[str]] = []
-        self._padded = False
-        self.bytes = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        size = view.nbytes
-        done = 0
-        while done < size:
-            buffer = self._buffers[self._current]
-            take = min(BUFFER_BYTES - self._filled, size - done)
-            buffer[self._filled : self._filled + take] = view[done : done + take]
-            self._filled += take
-            done += take
-            if self._filled == BUFFER_BYTES:
-                self._send()
-                self._settle(self._current)
-        self.bytes += size
-        return size
-
-    def _send(self) -> None:
-        """Hash and write the current buffer in the background, then move on to the next one."""
-        index, length = self._current, self._filled
-        buffer = self._buffers[index]
-        chunk_sum = self._hashers.submit(_hex, self._checksum, buffer[:length])  # a buffer is one chunk
-        self._sums.append(chunk_sum)
-        tasks: list[Future[Any]] = [chunk_sum]
-        end = -(-length // ALIGN) * ALIGN if self._direct else length
-        if end > length:
-            buffer[length:end] = bytes(end - length)
-            self._padded = True
-        tasks.append(self._io.submit(self._write_at, buffer[:end], self._offset))
-        self._busy[index] = tasks
-        self._offset += length
-        self._current = (index + 1) % len(self._buffers)
-        self._filled = 0
-
-    def _settle(self, index: int) -> None:
-        tasks, self._busy[index] = self._busy[index], []
-        for task in tasks:
-            task.result()
-
-    def _write_at(self, view: memoryview, offset: int) -> None:
-        while view.nbytes:
-            fd = self._fd
-            try:
-                written = os.pwrite(fd, view, offset)
-            except OSError as error:
-                if error.errno != errno.EINVAL or fd != self._direct_fd:
-                    raise
-                self._through_page_cache(fd)
-                continue
-            view = view[written:]
-            offset += written
-
-    def _through_page_cache(self, refused: int) -> None:
-        """``O_DIRECT`` was refused at a write: go on without it (what was written stays). The
-        refused descriptor stays open until ``finish``: the other I/O thread may be using it."""
-        with self._switching:
-            if self._fd == refused:
-                self._fd = os.open(self._path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-                self._direct = False
-
-    def _close(self) -> None:
-        os.close(self._fd)
-        if self._direct_fd not in (-1, self._fd):
-            os.close(self._direct_fd)
-
-    @property
-    def direct(self) -> bool:
-        """Whether the file is (still) written past the page cache."""
-        return self._direct
-
-    def flush(self) -> None:
-        return None
-
-    def finish(self) -> dict[str, Any]:
-        """Write the rest, wait for every write and hash, fsync, close; returns the manifest entry."""
-        if self._filled or not self._sums:  # an empty file still has one chunk: the sum of no bytes
-            self._send()
-        for index in range(len(self._buffers)):
-            self._settle(index)
-        if self._padded:
-            os.ftruncate(self._fd, self.bytes)
-        os.fsync(self._fd)
-        self._close()
-        sums = [task.result() for task in self._sums]
-        return {"bytes": self.bytes, "chunk_bytes": CHUNK_BYTES, "chunks": sums}
-
-    def abort(self) -> None:
-        for tasks in self._busy:
-            for task in tasks:
-                task.exception()
-        self._close()
-
-
-def _serialize(obj: Any, writer: _DurableWriter) -> None:
-    """``torch.save(obj, writer)``, without torch's per-record crc32 where this torch allows it.
-
-    The crc32 is half of a plain ``torch.save``'s time here (0.05 of 0.10 s per 200 MB) and adds
-    nothing: the manifest's sha256 sums cover every byte, and a load checks them before torch reads
-    the file (torch reads files without crc32 as well). torch's switch for it,
-    ``set_crc32_options``, is process-wide, so it is not flipped: the writer torch.save would make
-    is made here with ``compute_crc32=False``. Should a torch release change those internals, this
-    falls back to a plain ``torch.save`` (slower, same file format); ``tests/test_checkpointing.py``
-    checks that the torch it runs with takes the fast path.
-    """
-    try:
-        zip_writer = torch._C.PyTorchFileWriter(
-            cast(IO[bytes], writer), False, torch.serialization._get_storage_alignment()
-        )
-        save: Callable[..., None] = torch.serialization._save
-    except (AttributeError, TypeError):  # pragma: no cover - another torch's internals
-        torch.save(obj, writer)  # type: ignore[arg-type]
-        return
-    try:
-        save(obj, zip_writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-    except BaseException:
-        # Finalize before the writer is collected: torch's destructor would finalize by writing
-        # through ``writer`` again, and a second failure there aborts the process.
-        with contextlib.suppress(Exception):
-            zip_writer.write_end_of_file()
-        raise
-    zip_writer.write_end_of_file()
-
-
-def _file_sums(path: Path, chunk: int, pool: ThreadPoolExecutor, checksum: str) -> list[str]:
-    """The ``checksum`` of each ``chunk`` bytes of ``path``, two chunks at a time (reads and hashing
-    release the GIL)."""
-    size = path.stat().st_size
-    count = max(1, -(-size // chunk))
-    new = digest(checksum)
-
-    def one(index: int) -> str:
-        hasher = new()
-        with open(path, "rb", buffering=0) as f:
-            f.seek(index * chunk)
-            left = min(chunk, size - index * chunk)
-            buffer = bytearray(min(left, 4 << 20))
-            view = memoryview(buffer)
-            while left > 0:
-                got = f.readinto(view[: min(left, len(buffer))])
-                if not got:
-                    break
-                hasher.update(view[:got])
-                left -= got
-        return str(hasher.hexdigest())
-
-    return list(pool.map(one, range(count)))
-
-
-def describe_file(path: Path, checksum: str = "xxh3_128") -> dict[str, Any]:
-    """The manifest entry of a file already written and synced (by another writer, such as DCP)."""
-    with _hash_pool("ckpt-hash") as pool:
-        sums = _file_sums(path, CHUNK_BYTES, pool, checksum)
-    return {"bytes": path.stat().st_size, "chunk_bytes": CHUNK_BYTES, "chunks": sums}
-
-
 class CheckpointStore:
     """Save, list, verify, load and prune the checkpoints under ``root``.
 
     ``direct_io=False`` writes through the page cache even where ``O_DIRECT`` works (see
-    ``_DurableWriter``); a store holds ``BUFFERS`` x ``BUFFER_BYTES`` (24 MiB) of staging memory
+    ``checkpoint_io.DurableWriter``); a store holds ``BUFFERS`` x ``BUFFER_BYTES`` of staging memory
     from its first save until ``close``.
     """
 
@@ -418,8 +123,7 @@ class CheckpointStore:
         self.direct_io = direct_io
         self.checksum = check_checksum("CheckpointStore", checksum)
         self._io: ThreadPoolExecutor | None = None
-        self._hashers: ThreadPoolExecutor | None = None
-        self._staging: _Staging | None = None
+        self._staging: Staging | None = None
         self._saving = threading.Lock()  # one save at a time: they share the staging buffers
         #: Whether every file of the last save was written past the page cache (O_DIRECT); False
         #: when ``direct_io=False`` or the file system refused it (the ``checkpoint_saved`` event
@@ -431,10 +135,9 @@ class CheckpointStore:
         self._due_lock = threading.Lock()
 
     def close(self) -> None:
-        for pool in (self._io, self._hashers):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._io = self._hashers = None
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+        self._io = None
         self._staging = None
 
     # ------------------------------------------------------------------ saving
@@ -445,10 +148,9 @@ class CheckpointStore:
         touched page by page); ``CheckpointingHook`` calls this in RESTORE instead.
         """
         started = time.perf_counter()
-        if self._io is None or self._hashers is None or self._staging is None:
+        if self._io is None or self._staging is None:
             self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="trainfsm-ckpt-io")
-            self._hashers = _hash_pool("ckpt-hash")
-            self._staging = _Staging()
+            self._staging = Staging()
             digest(self.checksum)  # imports xxhash
         return time.perf_counter() - started
 
@@ -500,21 +202,20 @@ class CheckpointStore:
     ) -> tuple[Checkpoint, int, str]:
         name = f"{step}{KEEP_SUFFIX}" if keep else str(step)
         self.prepare()
-        assert self._io is not None and self._hashers is not None and self._staging is not None
+        assert self._io is not None and self._staging is not None
         files: dict[str, dict[str, Any]] = {}
         total = 0
         direct = True
         for stem, obj in parts.items():
-            writer = _DurableWriter(
+            writer = DurableWriter(
                 tmp / f"{stem}.pt",
                 self._io,
-                self._hashers,
                 self._staging,
                 direct=self.direct_io,
                 checksum=self.checksum,
             )
             try:
-                _serialize(obj, writer)
+                serialize(obj, writer)
                 files[f"{stem}.pt"] = writer.finish()
             except BaseException:
                 writer.abort()
@@ -533,7 +234,7 @@ class CheckpointStore:
             files[relative] = entry
             total += size
         for folder in sorted({(tmp / relative).parent for relative in written or {}}):
-            _fsync_dir(folder)  # the other ranks' file names are durable before the manifest names them
+            fsync_dir(folder)  # the other ranks' file names are durable before the manifest names them
         from trainfsm import __version__
 
         manifest: dict[str, Any] = {
@@ -548,8 +249,8 @@ class CheckpointStore:
         if written is not None:
             manifest.update(sharded=True, world_size=world_size)
         manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        checksum = _write_durable(tmp / MANIFEST, manifest_bytes, self.checksum)  # last: it marks the set complete
-        _fsync_dir(tmp)
+        checksum = write_durable(tmp / MANIFEST, manifest_bytes, self.checksum)  # last: it marks the set complete
+        fsync_dir(tmp)
         target = self.root / name
         other = self.root / (str(step) if keep else f"{step}{KEEP_SUFFIX}")
         for existing in (target, other):  # the same step saved again (a resumed run): replace it
@@ -558,7 +259,7 @@ class CheckpointStore:
                 existing.rename(trash)
                 shutil.rmtree(trash, ignore_errors=True)
         tmp.rename(target)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self.point(LATEST, name)
         with self._due_lock:
             due = [pointer for pointer, first in self._due.items() if first <= step]
@@ -578,9 +279,9 @@ class CheckpointStore:
         try:
             tmp.symlink_to(name, target_is_directory=True)
         except OSError:  # filesystems without symlinks: a one-line file instead
-            _write_durable(tmp, (name + "\n").encode())
+            write_durable(tmp, (name + "\n").encode())
         os.replace(tmp, link)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def point_when_saved(self, pointer: str, step: int) -> None:
         """Move ``pointer`` to the first checkpoint saved at ``step`` or later, as part of that save:
@@ -608,7 +309,7 @@ class CheckpointStore:
                 name = entry.name[len(f"{TMP_PREFIX}old-") :].rsplit("-", 1)[0]
                 if not (self.root / name / MANIFEST).is_file() and (entry / MANIFEST).is_file():
                     entry.rename(self.root / name)
-                    _fsync_dir(self.root)
+                    fsync_dir(self.root)
                     continue
             if entry.name.startswith(TMP_PREFIX):
                 if entry.is_dir() and not entry.is_symlink():
@@ -689,7 +390,7 @@ class CheckpointStore:
                 f"{manifest_path} describes step {manifest.get('step')!r}, not {parsed[0]} (a manifest from "
                 f"another checkpoint?)"
             )
-        checksum = manifest.get("checksum", "sha256") if found == FORMAT else "sha256"
+        checksum = manifest.get("checksum", "sha256") if found >= 4 else "sha256"
         if checksum not in CHECKSUMS:
             raise CheckpointError(
                 f"{manifest_path} names checksum {checksum!r}; this trainfsm verifies {', '.join(CHECKSUMS)}"
@@ -698,18 +399,17 @@ class CheckpointStore:
         if share is not None and manifest.get("sharded"):
             rank, world = share
             listed = {n: e for n, e in listed.items() if _owner(e, world) == rank}
-        with _hash_pool("ckpt-verify") as pool:
-            for name, expected in listed.items():
-                file = path / name
-                if not file.is_file():
-                    raise CheckpointError(f"{file} is missing (listed in {MANIFEST})")
-                size = file.stat().st_size
-                if size != expected.get("bytes"):
-                    raise CheckpointError(
-                        f"{file} has {size} bytes, the manifest says {expected.get('bytes')} (truncated?)"
-                    )
-                if not _matches(file, expected, pool, checksum):
-                    raise CheckpointError(f"{file} does not match its {checksum} in {MANIFEST} (corrupted)")
+        for name, expected in listed.items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{file} is missing (listed in {MANIFEST})")
+            size = file.stat().st_size
+            if size != expected.get("bytes"):
+                raise CheckpointError(
+                    f"{file} has {size} bytes, the manifest says {expected.get('bytes')} (truncated?)"
+                )
+            if not _matches(file, expected, checksum):
+                raise CheckpointError(f"{file} does not match its {checksum} in {MANIFEST} (corrupted)")
         return manifest  # type: ignore[no-any-return]
 
     @classmethod

@@ -82,12 +82,14 @@ def _load(file: Path) -> Any:
 
 # -------------------------------------------------------------------- rendering
 def _algorithm(manifest: dict[str, Any]) -> str:
-    """The checksum a manifest names (format 4); formats 1-3 are sha256."""
+    """The checksum a manifest names (formats 4 and 5); formats 1-3 are sha256."""
     return str(manifest.get("checksum", "sha256"))
 
 
 def _sums(info: dict[str, Any], algorithm: str) -> str:
-    """Formats 2-4 list a sum per chunk; format 1 one sha256 per file."""
+    """Format 5 has one sum per file, formats 2-4 one per chunk, format 1 one sha256 per file."""
+    if "digest" in info:
+        return f"{algorithm} {info['digest'][:16]}..."
     chunks = info.get("chunks", info.get("sha256_chunks"))
     if chunks is not None:
         return f"{algorithm} {chunks[0][:16]}... ({len(chunks)} x {_size(info['chunk_bytes'])} chunks)"

@@ -38,16 +38,16 @@ def child(workspace: Path, out: Path, slow: float) -> None:
     from torch import nn
 
     from trainfsm import BaseTrainer, CheckpointingHook
-    from trainfsm import checkpoint as store
+    from trainfsm import checkpoint_io as store
 
     if slow:  # widen the window in which a kill lands inside a checkpoint write
-        finish = store._DurableWriter.finish
+        finish = store.DurableWriter.finish
 
         def slow_finish(self: Any) -> str:
             time.sleep(slow)  # the file is written, not yet synced, renamed or pointed at
             return finish(self)
 
-        store._DurableWriter.finish = slow_finish  # type: ignore[method-assign]
+        store.DurableWriter.finish = slow_finish  # type: ignore[method-assign]
 
     class Trainer(BaseTrainer):
         def build_data_loader(self) -> Any:

@@ -15,14 +15,8 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from trainfsm import data_state, rng
-from trainfsm.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    CheckpointStore,
-    check_checksum,
-    check_fits,
-    describe_file,
-)
+from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore, check_fits
+from trainfsm.checkpoint_io import check_checksum, describe_file
 from trainfsm.events import notice
 from trainfsm.hooks.base import BaseHook
 from trainfsm.signals import DEFAULT_EXIT_SIGNALS, exit_policy
