@@ -484,7 +484,7 @@ def write_file(path: Path, pieces: list[Any], direct: bool = True) -> tuple[dict
     still wrote past the page cache at the end."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(2) as io:
+    with ThreadPoolExecutor(1) as io:
         writer = DurableWriter(path, io, Staging(), direct=direct)
         for piece in pieces:
             writer.write(piece)
@@ -510,7 +510,7 @@ def test_a_buffer_reused_after_write_returned_does_not_change_the_file(tmp_path:
     from concurrent.futures import ThreadPoolExecutor
 
     buffer = bytearray(b"a" * (20 << 20))
-    with ThreadPoolExecutor(2) as io:
+    with ThreadPoolExecutor(1) as io:
         writer = DurableWriter(tmp_path / "f", io, Staging(), direct=True)
         writer.write(b"header")
         writer.write(buffer)
@@ -520,6 +520,44 @@ def test_a_buffer_reused_after_write_returned_does_not_change_the_file(tmp_path:
     data = (tmp_path / "f").read_bytes()
     assert data == b"header" + b"a" * (20 << 20) + b"b" * (20 << 20)
     assert entry == {"bytes": len(data), "digest": file_sum(data)}
+
+
+def test_torch_runs_ahead_of_the_disk_by_all_but_one_staging_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # How far serialization may run ahead of the disk is what made saves as fast as the disk alone
+    # (issue 14's measurements): with the disk stalled, write() still takes BUFFERS - 1 full buffers
+    # (one is being written), and only the next one waits for the disk.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainfsm.checkpoint_io import BUFFERS
+
+    disk = threading.Event()
+    pwrite = os.pwrite
+
+    def stalled(fd: int, data: Any, offset: int) -> int:
+        disk.wait()
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", stalled)
+    data = os.urandom((BUFFERS + 1) * BUFFER_BYTES)
+    with ThreadPoolExecutor(1) as io:
+        writer = DurableWriter(tmp_path / "f", io, Staging(), direct=True)
+        try:
+            ahead = threading.Thread(target=writer.write, args=(data[: (BUFFERS - 1) * BUFFER_BYTES],))
+            ahead.start()
+            ahead.join(timeout=10)
+            assert not ahead.is_alive()  # BUFFERS - 1 buffers taken while the disk has written nothing
+            more = threading.Thread(target=writer.write, args=(data[(BUFFERS - 1) * BUFFER_BYTES :],))
+            more.start()
+            more.join(timeout=0.5)
+            assert more.is_alive()  # the next full buffer waits for the disk
+        finally:
+            disk.set()  # a failed check must not leave the I/O thread stalled
+        more.join(timeout=30)
+        entry = writer.finish()
+    assert (tmp_path / "f").read_bytes() == data and entry == {"bytes": len(data), "digest": file_sum(data)}
 
 
 def _direct_io_works(directory: Path) -> bool:
@@ -559,7 +597,7 @@ def test_a_write_that_refuses_o_direct_goes_on_through_the_page_cache(
     monkeypatch.setattr(os, "pwrite", picky)
     data = os.urandom(2 * BUFFER_BYTES + 99)
     entry, direct = write_file(tmp_path / "f", [data])
-    assert refused and not direct  # the first write to reach the disk is refused (maybe a second one too)
+    assert refused == [0] and not direct  # the first write is refused, the file goes on without O_DIRECT
     assert (tmp_path / "f").read_bytes() == data
     assert entry == {"bytes": len(data), "digest": file_sum(data)}
 

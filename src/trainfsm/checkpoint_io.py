@@ -22,7 +22,6 @@ import hashlib
 import mmap
 import os
 import pickle
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,13 +31,15 @@ import torch
 
 #: The checksums a store writes and reads: a manifest's "checksum" names one of them.
 CHECKSUMS: Final = ("xxh3_128", "sha256")
-# Staging buffers, each written by one pwrite: one being filled while IO_THREADS are written.
-# Measured with the fast checksum (issue 14's closing note): 4 MiB writes kept this disk busier than
-# 8-32 MiB ones; two writes in flight beat one (a finished write waits for the GIL before the next
-# starts, and the other one hides that); more buffers than that (four, six) bought nothing.
+# Staging buffers, written in order by one I/O thread while torch fills the next ones. Measured with
+# the fast checksum against the disk alone (issue 14's closing note; 200 MB | 1 GB saves): what
+# matters is how far torch may run ahead of the disk. Six 4 MiB buffers: 0.96-1.08 | 0.96-0.98x the
+# disk; three: 1.26-1.47 | 1.26-1.37x (three 8 MiB ones: 0.98-1.00 | 0.98x); four or eight 4 MiB
+# buffers bought nothing over six. A second I/O thread (two writes in flight) made no difference
+# with six buffers (1.08 | 0.98x against 1.08 | 0.96x with one), so there is one.
 BUFFER_BYTES: Final = 4 << 20
-IO_THREADS: Final = 2
-BUFFERS: Final = IO_THREADS + 1
+BUFFERS: Final = 6
+IO_THREADS: Final = 1
 ALIGN: Final = 4096  # O_DIRECT: buffer addresses, file offsets and lengths are multiples of this
 READ_BYTES: Final = 4 << 20  # what verification reads at a time
 
@@ -147,10 +148,11 @@ class DurableWriter:
     asked, so the disk idles while torch serializes and torch idles while the disk writes. Here:
 
     - the file is opened with ``O_DIRECT`` where the file system allows it, so the disk reads each
-      full buffer straight from our (page-aligned, reused) memory, ``IO_THREADS`` writes in flight,
-      and is busy from the first 4 MiB on; a checkpoint also never pushes the training data out of
-      the page cache. Where ``O_DIRECT`` is refused (at ``open`` or at a write), the same buffers are
-      written through the page cache instead, and ``finish`` fsyncs them;
+      full buffer straight from our (page-aligned, reused) memory, written one after the other by
+      the store's I/O thread, and is busy from the first 4 MiB on; a checkpoint also never pushes
+      the training data out of the page cache. Where ``O_DIRECT`` is refused (at ``open`` or at a
+      write), the same buffers are written through the page cache instead, and ``finish`` fsyncs
+      them;
     - each buffer is hashed, in file order, just before its write is queued: one streaming sum per
       file;
     - ``write`` copies the bytes before it returns, so torch may free or reuse what it passed
@@ -166,8 +168,6 @@ class DurableWriter:
     ) -> None:
         self._path = path
         self._fd, self._direct = open_for_writing(path, direct)
-        self._direct_fd = self._fd if self._direct else -1
-        self._switching = threading.Lock()
         self._io = io
         self._buffers = staging.views
         self._writes: list[Future[None] | None] = [None] * len(self._buffers)  # each buffer's write in flight
@@ -214,30 +214,23 @@ class DurableWriter:
             write.result()
 
     def _write_at(self, view: memoryview, offset: int) -> None:
+        """On the I/O thread, one buffer after the other: no other thread touches the descriptor."""
         while view.nbytes:
-            fd = self._fd
             try:
-                written = os.pwrite(fd, view, offset)
+                written = os.pwrite(self._fd, view, offset)
             except OSError as error:
-                if error.errno != errno.EINVAL or fd != self._direct_fd:
+                if error.errno != errno.EINVAL or not self._direct:
                     raise
-                self._through_page_cache(fd)
+                self._through_page_cache()
                 continue
             view = view[written:]
             offset += written
 
-    def _through_page_cache(self, refused: int) -> None:
-        """``O_DIRECT`` was refused at a write: go on without it (what was written stays). The
-        refused descriptor stays open until ``finish``: the other I/O thread may be using it."""
-        with self._switching:
-            if self._fd == refused:
-                self._fd = os.open(self._path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-                self._direct = False
-
-    def _close(self) -> None:
+    def _through_page_cache(self) -> None:
+        """``O_DIRECT`` was refused at a write: go on without it (what was written stays)."""
         os.close(self._fd)
-        if self._direct_fd not in (-1, self._fd):
-            os.close(self._direct_fd)
+        self._fd = os.open(self._path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        self._direct = False
 
     @property
     def direct(self) -> bool:
@@ -256,14 +249,14 @@ class DurableWriter:
         if self._padded:
             os.ftruncate(self._fd, self.bytes)
         os.fsync(self._fd)
-        self._close()
+        os.close(self._fd)
         return {"bytes": self.bytes, "digest": str(self._hash.hexdigest())}
 
     def abort(self) -> None:
         for write in self._writes:
             if write is not None:
                 write.exception()
-        self._close()
+        os.close(self._fd)
 
 
 def serialize(obj: Any, writer: DurableWriter) -> None:
