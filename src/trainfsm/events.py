@@ -49,6 +49,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "transition": ("trigger", "source", "dest"),
     "restore": ("resumed", "from_step"),
     "epoch": ("epoch",),
+    "data_resumed": ("mode", "why", "epoch", "batches", "positioned", "seconds"),
     "data_exhausted": ("epochs", "dropped_micro_batches"),
     "metrics": ("values",),
     "loss_none": ("micro", "ranks"),

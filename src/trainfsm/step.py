@@ -248,9 +248,10 @@ def _check_forward_result(out: Any) -> tuple[torch.Tensor | None, Any]:
     )
 
 
-def close_iterator(iterator: Iterator[Any] | None) -> None:
-    """Close a data iterator: generators run their ``finally``; DataLoader workers shut down."""
-    if iterator is None:
+def close_iterator(iterator: Iterator[Any] | None, *, epoch_end: bool = False) -> None:
+    """Close a data iterator: generators run their ``finally``; DataLoader workers shut down,
+    except persistent ones at the end of an epoch (the loader reuses them for the next)."""
+    if iterator is None or (epoch_end and getattr(iterator, "_persistent_workers", False)):
         return
     close = getattr(iterator, "close", None)
     if close is not None:

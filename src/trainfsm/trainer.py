@@ -410,8 +410,18 @@ class BaseTrainer:
             return self.finish  # a signal now is recorded in EXIT: the run is complete, no requeue
         if self._data_resume is not None:
             mode, saved, rng_state = self._data_resume
-            self._data_iter, self._batches, self._epoch_rng = data_state.resume(
-                cast(Iterable[Any], self.data_loader), mode, saved
+            resumed_data = data_state.resume(cast(Iterable[Any], self.data_loader), mode, saved)
+            self._data_iter, self._batches = resumed_data.iterator, resumed_data.batches
+            self._epoch_rng = resumed_data.epoch_rng
+            # How the position was found and what it cost: a replay grows with the position.
+            self.audit.info(
+                "data_resumed",
+                mode=resumed_data.mode,
+                why=resumed_data.why,
+                epoch=self.epoch,
+                batches=resumed_data.batches,
+                positioned=resumed_data.positioned,
+                seconds=round(resumed_data.seconds, 6),
             )
             if rng_state is not None:
                 rng.restore(rng_state)
@@ -640,7 +650,7 @@ class BaseTrainer:
     def _new_iterator(self) -> Iterator[Any]:
         data_state.set_epoch(self.data_loader, self.epoch)
         # Once per epoch: the random state that decides this epoch's order, for exact resume.
-        self._epoch_rng = rng.capture()
+        self._epoch_rng = data_state.epoch_start(self.data_loader)
         self._batches = 0
         return iter(self.data_loader)  # type: ignore[arg-type]
 
@@ -661,7 +671,7 @@ class BaseTrainer:
             pass
         if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
             return _EXHAUSTED  # the iterator stays open at its end: a checkpoint records that position
-        close_iterator(self._data_iter)
+        close_iterator(self._data_iter, epoch_end=True)
         self.epoch += 1
         self.audit.debug("epoch", epoch=self.epoch)
         self._data_iter = self._new_iterator()

@@ -1,0 +1,263 @@
+"""Data resume: a resumed run draws the batches the uninterrupted one would have drawn, and finding
+the position does not load the batches before it (``data_resume``, ``trainfsm.data_state``).
+
+Each test trains straight for ``total`` steps, then trains ``at`` steps with a checkpoint there and
+resumes a fresh trainer (in a process whose random state was disturbed) up to ``total``: the
+samples each resumed step saw, the final parameters and the ``data_resumed`` record are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from trainfsm import BaseTrainer, CheckpointingHook
+
+
+class Samples(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """``n`` fixed samples that know their index; counts its loads (in this process).
+    ``augment`` adds noise drawn from the loading process's global generator, as a random
+    augmentation in ``__getitem__`` does."""
+
+    def __init__(self, n: int, augment: bool = False) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 4, generator=generator)
+        self.y = torch.randn(n, 1, generator=generator)
+        self.augment = augment
+        self.loads = 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        self.loads += 1
+        x = self.x[index]
+        if self.augment:
+            x = x + 0.1 * torch.rand(4)
+        return index, x, self.y[index]
+
+
+class Stream(IterableDataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    def __init__(self, n: int) -> None:
+        self.samples = Samples(n)
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        return (self.samples[i] for i in range(len(self.samples)))
+
+
+class Trainer(BaseTrainer):
+    """A linear model on whatever loader ``make_loader`` builds; ``seen`` holds each micro-batch's
+    sample indices."""
+
+    def __init__(self, make_loader: Callable[[], Any], hook: CheckpointingHook, **kwargs: Any) -> None:
+        kwargs.setdefault("device", "cpu")
+        super().__init__(**kwargs)
+        self.make_loader = make_loader
+        self.hook = hook
+        self.seen: list[list[int]] = []
+
+    def build_data_loader(self) -> Any:
+        return self.make_loader()
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(4, 1)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=0.05)  # type: ignore[union-attr]
+
+    def build_hooks(self) -> list[Any]:
+        return [self.hook]
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        index, x, y = batch
+        self.seen.append(torch.as_tensor(index).reshape(-1).tolist())
+        return nn.functional.mse_loss(self.model(x.reshape(-1, 4)), y.reshape(-1, 1)), {}  # type: ignore[misc]
+
+
+def train(workspace: Path, make_loader: Callable[[], Any], steps: int, seed: int = 1, **hook: Any) -> Trainer:
+    hook.setdefault("interval", 10**9)  # only the last step is saved
+    torch.manual_seed(seed)
+    random.seed(seed)
+    trainer = Trainer(make_loader, CheckpointingHook(**hook), max_steps=steps, workspace=workspace)
+    trainer.train()
+    return trainer
+
+
+def resumed_run(tmp_path: Path, make_loader: Callable[[], Any], at: int, total: int, **hook: Any) -> dict[str, Any]:
+    """Straight and interrupted-then-resumed runs; what a test compares."""
+    straight = train(tmp_path / "straight", make_loader, total, **hook)
+    train(tmp_path / "resumed", make_loader, at, **hook)
+    resumed = train(tmp_path / "resumed", make_loader, total, seed=999, **hook)  # all must come from the checkpoint
+    trail = [json.loads(line) for line in (tmp_path / "resumed/logs/events.rank0.jsonl").read_text().splitlines()]
+    [record] = [e for e in trail if e["event"] == "data_resumed"]
+    return {"straight": straight, "resumed": resumed, "record": record}
+
+
+def same_parameters(a: BaseTrainer, b: BaseTrainer) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))  # type: ignore[union-attr]
+
+
+def assert_exact(found: dict[str, Any], at: int) -> None:
+    straight, resumed = found["straight"], found["resumed"]
+    assert resumed.seen == straight.seen[len(straight.seen) - len(resumed.seen) :]
+    assert len(resumed.seen) == len(straight.seen) - at
+    assert same_parameters(straight, resumed)
+
+
+def test_a_map_style_dataloader_resumes_deep_in_the_epoch_without_loading_a_skipped_sample(tmp_path: Path) -> None:
+    loaders: list[DataLoader[Any]] = []
+
+    def make() -> DataLoader[Any]:
+        loaders.append(DataLoader(Samples(64_000), batch_size=16, shuffle=True, drop_last=True))
+        return loaders[-1]
+
+    found = resumed_run(tmp_path, make, at=3000, total=3005)
+    assert_exact(found, 3000)
+    assert loaders[-1].dataset.loads == 5 * 16  # type: ignore[attr-defined]  # only what the 5 resumed steps used
+    record = found["record"]
+    assert (record["mode"], record["epoch"], record["batches"], record["positioned"]) == ("sampler", 0, 3000, 3000)
+    assert "nothing is loaded" in record["why"]
+
+
+def _shuffled_partial_batches() -> DataLoader[Any]:
+    return DataLoader(Samples(30), batch_size=4, shuffle=True)  # 8 batches an epoch, the last of 2
+
+
+def _distributed() -> DataLoader[Any]:
+    sampler = DistributedSampler(Samples(30), num_replicas=2, rank=1, shuffle=True, seed=3)
+    return DataLoader(sampler.dataset, batch_size=4, sampler=sampler)  # type: ignore[arg-type]
+
+
+class Descending:
+    """A custom batch sampler: batches of 3 in descending index order, then a shuffled order of the
+    batches drawn from the global generator."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = [list(range(i, max(i - 3, -1), -1)) for i in range(29, -1, -3)]
+        return iter([batches[i] for i in torch.randperm(len(batches)).tolist()])
+
+    def __len__(self) -> int:
+        return 10
+
+
+def _custom_batch_sampler() -> DataLoader[Any]:
+    return DataLoader(Samples(30), batch_sampler=Descending())  # type: ignore[arg-type]
+
+
+def _own_generator() -> DataLoader[Any]:
+    return DataLoader(Samples(30), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+
+
+def _no_batching() -> DataLoader[Any]:
+    return DataLoader(Samples(30), batch_size=None, shuffle=True)  # one sample a step, indices skipped singly
+
+
+LOADERS = {
+    "shuffle, last batch partial": _shuffled_partial_batches,
+    "DistributedSampler with set_epoch": _distributed,
+    "custom batch_sampler": _custom_batch_sampler,
+    "DataLoader(generator=...)": _own_generator,
+    "batch_size=None": _no_batching,
+    "shuffle, drop_last": lambda: DataLoader(Samples(30), batch_size=4, shuffle=True, drop_last=True),
+}
+
+
+@pytest.mark.parametrize("at", [3, 13], ids=["epoch 0", "epoch 1"])
+@pytest.mark.parametrize("kind", list(LOADERS))
+def test_sampler_resume_draws_the_batches_of_the_uninterrupted_run(tmp_path: Path, kind: str, at: int) -> None:
+    found = resumed_run(tmp_path, LOADERS[kind], at=at, total=at + 20)  # and on over two more epochs
+    assert_exact(found, at)
+    record = found["record"]
+    assert record["mode"] == "sampler"
+    assert record["positioned"] == record["batches"] > 0
+
+
+def test_a_loaders_own_generator_is_part_of_the_epochs_random_state(tmp_path: Path) -> None:
+    # DataLoader(generator=g, shuffle=True) draws each epoch's order from g, not from the global
+    # generator: without g's state at the start of the epoch, epoch 1 would resume in epoch 0's order.
+    found = resumed_run(tmp_path, _own_generator, at=10, total=12)
+    assert_exact(found, 10)
+    straight = found["straight"].seen
+    assert straight[8:] != straight[:4]  # epoch 1's order (steps 9-12) differs from epoch 0's
+
+
+def test_workers_replay_by_default_and_stay_exact_with_random_augmentation(tmp_path: Path) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Samples(40, augment=True), batch_size=4, shuffle=True, num_workers=2)
+
+    found = resumed_run(tmp_path, make, at=6, total=9)
+    assert_exact(found, 6)
+    record = found["record"]
+    assert (record["mode"], record["positioned"]) == ("skip", 6)
+    assert "num_workers=2" in record["why"] and "data_resume='sampler'" in record["why"]
+
+
+def test_sampler_mode_with_workers_is_exact_without_random_augmentation(tmp_path: Path) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Samples(40), batch_size=4, shuffle=True, num_workers=2)
+
+    found = resumed_run(tmp_path, make, at=6, total=9, data_resume="sampler")
+    assert_exact(found, 6)
+    assert (found["record"]["mode"], found["record"]["positioned"]) == ("sampler", 6)
+
+
+def test_sampler_mode_with_workers_changes_random_augmentation_but_not_the_samples(tmp_path: Path) -> None:
+    # What the README's table says: a worker starts afresh, so the noise it draws differs from the
+    # uninterrupted run's; the samples and their order are the same.
+    def make() -> DataLoader[Any]:
+        return DataLoader(Samples(40, augment=True), batch_size=4, shuffle=True, num_workers=2)
+
+    found = resumed_run(tmp_path, make, at=6, total=9, data_resume="sampler")
+    assert found["resumed"].seen == found["straight"].seen[6:]
+    assert not same_parameters(found["straight"], found["resumed"])
+
+
+def test_persistent_workers_skip_only_in_the_resumed_epoch(tmp_path: Path) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Samples(24), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+
+    found = resumed_run(tmp_path, make, at=4, total=16, data_resume="sampler")  # resumed epoch 0, then epochs 1, 2
+    assert_exact(found, 4)
+
+
+def test_an_iterable_dataset_is_replayed_and_the_trail_says_what_it_cost(tmp_path: Path) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Stream(40), batch_size=4)
+
+    found = resumed_run(tmp_path, make, at=7, total=9)
+    assert_exact(found, 7)
+    record = found["record"]
+    assert (record["mode"], record["batches"], record["positioned"]) == ("skip", 7, 7)
+    assert record["seconds"] >= 0 and "only replaying" in record["why"] and "StatefulDataLoader" in record["why"]
+
+
+def test_a_plain_list_is_replayed(tmp_path: Path) -> None:
+    samples = Samples(12)
+    collate = torch.utils.data.default_collate
+    batches = [collate([samples[i] for i in range(j, j + 3)]) for j in range(0, 12, 3)]
+    found = resumed_run(tmp_path, lambda: batches, at=2, total=6)
+    assert_exact(found, 2)
+    assert (found["record"]["mode"], found["record"]["positioned"]) == ("skip", 2)
+
+
+def test_sampler_mode_on_a_loader_without_a_sampler_names_the_fix(tmp_path: Path) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Stream(40), batch_size=4)
+
+    train(tmp_path, make, 3)
+    with pytest.raises(ValueError, match=r'data_resume="sampler" needs a torch.utils.data.DataLoader over a map-style'):
+        train(tmp_path, make, 6, data_resume="sampler")
+
+
+def test_an_unknown_data_resume_names_the_allowed_values() -> None:
+    with pytest.raises(ValueError, match=r"data_resume must be one of \('auto', 'state', 'sampler', 'skip', 'none'\)"):
+        CheckpointingHook(interval=1, data_resume="rewind")
