@@ -261,3 +261,53 @@ def test_sampler_mode_on_a_loader_without_a_sampler_names_the_fix(tmp_path: Path
 def test_an_unknown_data_resume_names_the_allowed_values() -> None:
     with pytest.raises(ValueError, match=r"data_resume must be one of \('auto', 'state', 'sampler', 'skip', 'none'\)"):
         CheckpointingHook(interval=1, data_resume="rewind")
+
+
+def stateful_dataloader() -> Any:
+    """torchdata's StatefulDataLoader: the extra trainfsm[data], part of the test set-up (dev)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader
+
+
+@pytest.mark.parametrize(
+    ("workers", "augment"), [(0, True), (2, False)], ids=["0 workers, random augmentation", "2 workers"]
+)
+def test_torchdatas_stateful_dataloader_resumes_from_its_own_state_exactly(
+    tmp_path: Path, workers: int, augment: bool
+) -> None:
+    loader_type = stateful_dataloader()
+
+    def make() -> Any:
+        return loader_type(Samples(40, augment=augment), batch_size=4, shuffle=True, num_workers=workers)
+
+    found = resumed_run(tmp_path, make, at=13, total=17)  # in the second epoch
+    assert_exact(found, 13)
+    record = found["record"]
+    assert (record["mode"], record["positioned"]) == ("state", 0)
+    assert "state_dict" in record["why"]
+
+
+def test_torchdatas_stateful_dataloader_with_a_distributed_sampler_resumes_exactly(tmp_path: Path) -> None:
+    loader_type = stateful_dataloader()
+
+    def make() -> Any:
+        sampler = DistributedSampler(Samples(30), num_replicas=2, rank=1, shuffle=True, seed=3)
+        return loader_type(sampler.dataset, batch_size=4, sampler=sampler, num_workers=2)  # type: ignore[arg-type]
+
+    found = resumed_run(tmp_path, make, at=6, total=10)
+    assert_exact(found, 6)
+    assert found["record"]["mode"] == "state"
+
+
+def test_torchdatas_stateful_dataloader_does_not_restore_random_augmentation_in_workers(tmp_path: Path) -> None:
+    # Measured for the README's table: StatefulDataLoader saves its sampler's position and a
+    # Stateful dataset's state, not a worker's random generators, so workers start afresh.
+    loader_type = stateful_dataloader()
+
+    def make() -> Any:
+        return loader_type(Samples(40, augment=True), batch_size=4, shuffle=True, num_workers=2)
+
+    found = resumed_run(tmp_path, make, at=13, total=17)
+    assert found["resumed"].seen == found["straight"].seen[13:]
+    assert not same_parameters(found["straight"], found["resumed"])
