@@ -153,6 +153,24 @@ def _custom_batch_sampler() -> DataLoader[Any]:
     return DataLoader(Samples(30), batch_sampler=Descending())  # type: ignore[arg-type]
 
 
+class EagerShuffle:
+    """A custom sampler that draws its order from the global generator when iter() is called (not
+    lazily, as torch's samplers do)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(self.n).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _eager_sampler() -> DataLoader[Any]:
+    return DataLoader(Samples(30), batch_size=4, sampler=EagerShuffle(30))  # type: ignore[arg-type]
+
+
 def _own_generator() -> DataLoader[Any]:
     return DataLoader(Samples(30), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
 
@@ -165,6 +183,7 @@ LOADERS = {
     "shuffle, last batch partial": _shuffled_partial_batches,
     "DistributedSampler with set_epoch": _distributed,
     "custom batch_sampler": _custom_batch_sampler,
+    "custom sampler drawing at iter()": _eager_sampler,
     "DataLoader(generator=...)": _own_generator,
     "batch_size=None": _no_batching,
     "shuffle, drop_last": lambda: DataLoader(Samples(30), batch_size=4, shuffle=True, drop_last=True),
