@@ -17,6 +17,11 @@ at most that long instead of waiting forever (gloo notices a peer that exited at
 backward, so a ``forward`` that returns None on one rank makes every rank skip that micro-batch (one
 small all-reduce per micro-batch; see the README's "Distributed runs"). This example's forward
 never returns None; the flag shows where the option goes.
+
+``--loader stateful`` uses torchdata's ``StatefulDataLoader`` (``pip install 'trainfsm[data]'``),
+which saves its own position; ``--workers N`` loads with N worker processes. With the default
+``DataLoader`` a resume skips the used indices at the sampler (``num_workers=0``) or replays the
+used batches (workers): see the README's data-resume table.
 """
 
 from __future__ import annotations
@@ -47,19 +52,34 @@ def make_dataset(n: int = 1024, features: int = 32, classes: int = 4) -> TensorD
 
 
 class DDPTrainer(BaseTrainer):
-    def __init__(self, layout: DistEnv | None, interval: int, step_seconds: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        layout: DistEnv | None,
+        interval: int,
+        step_seconds: float,
+        loader: str = "dataloader",
+        workers: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.layout = layout
         self.interval = interval
         self.step_seconds = step_seconds
+        self.loader = loader
+        self.workers = workers
 
     def build_data_loader(self) -> DataLoader[Any]:
         dataset = make_dataset()
+        loader_type = DataLoader
+        if self.loader == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader  # trainfsm[data]
+
+            loader_type = StatefulDataLoader
         if self.layout is None:
-            return DataLoader(dataset, batch_size=32, shuffle=True)
+            return loader_type(dataset, batch_size=32, shuffle=True, num_workers=self.workers)
         # Each rank draws its own part of every epoch; the trainer calls sampler.set_epoch(epoch).
         sampler = DistributedSampler(dataset, num_replicas=self.layout.world_size, rank=self.layout.rank, seed=0)
-        return DataLoader(dataset, batch_size=32, sampler=sampler)
+        return loader_type(dataset, batch_size=32, sampler=sampler, num_workers=self.workers)
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -98,6 +118,10 @@ def main() -> None:
     parser.add_argument(
         "--loss-none-agreement", action="store_true", help="ranks agree on loss=None before every backward"
     )
+    parser.add_argument(
+        "--loader", choices=("dataloader", "stateful"), default="dataloader", help="stateful: torchdata's"
+    )
+    parser.add_argument("--workers", type=int, default=0, help="data loader worker processes per rank")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -108,6 +132,8 @@ def main() -> None:
         layout,
         args.interval,
         args.step_seconds,
+        args.loader,
+        args.workers,
         max_steps=args.steps,
         workspace=args.workspace,
         device=device,

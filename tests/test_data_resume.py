@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import random
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -330,3 +332,56 @@ def test_torchdatas_stateful_dataloader_does_not_restore_random_augmentation_in_
     found = resumed_run(tmp_path, make, at=13, total=17)
     assert found["resumed"].seen == found["straight"].seen[13:]
     assert not same_parameters(found["straight"], found["resumed"])
+
+
+# ------------------------------------------------- 2 gloo ranks, SIGKILL at a random moment, resume
+DDP_STEPS, DDP_INTERVAL = 48, 8  # 16 batches an epoch per rank: the kill and the resume cross epochs
+
+
+def _ddp(workspace: Path, loader: str, workers: int) -> Callable[[int], list[str]]:
+    from tests.distributed.launch import ROOT
+
+    def argv(rank: int) -> list[str]:
+        return [
+            sys.executable, str(ROOT / "examples" / "ddp.py"), "--workspace", str(workspace), "--steps",
+            str(DDP_STEPS), "--interval", str(DDP_INTERVAL), "--step-seconds", "0.03", "--loader", loader,
+            "--workers", str(workers),
+        ]  # fmt: skip
+
+    return argv
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+@pytest.mark.parametrize(("loader", "workers"), [("stateful", 2), ("dataloader", 0)])
+def test_two_ddp_ranks_killed_at_a_random_moment_resume_to_the_uninterrupted_parameters(
+    tmp_path: Path, loader: str, workers: int
+) -> None:
+    from tests.distributed.launch import Ranks, audit_problems, events
+
+    stateful_dataloader()  # the extra must be there: this test must not pass by skipping
+    with Ranks(_ddp(tmp_path / "straight", loader, workers), tmp_path / "logs-straight") as ranks:
+        straight = ranks.wait(120)
+    assert straight.codes == {0: 0, 1: 0}, straight.describe()
+
+    workspace = tmp_path / "killed"
+    with Ranks(_ddp(workspace, loader, workers), tmp_path / "logs-first") as ranks:
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "checkpoint_saved" for e in events(workspace, 0)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks.procs), ranks.wait(0).describe()
+            time.sleep(0.01)
+        time.sleep(random.uniform(0.0, 0.9))  # anywhere in the next ~2 intervals, a save included
+        for rank in (0, 1):
+            ranks.kill(rank)  # the whole job, DataLoader workers included (a node lost)
+        first = ranks.wait(30)
+    assert first.codes == {0: -9, 1: -9}, f"the run ended before the kill: {first.describe()}"
+
+    with Ranks(_ddp(workspace, loader, workers), tmp_path / "logs-second") as ranks:
+        second = ranks.wait(120)
+    assert second.codes == {0: 0, 1: 0}, second.describe()
+    for rank in (0, 1):
+        [resumed] = [e for e in events(workspace, rank) if e["event"] == "data_resumed"]
+        assert resumed["mode"] == ("state" if loader == "stateful" else "sampler")
+    expected = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
+    found = torch.load(workspace / "final.pt", weights_only=True)
+    assert expected.keys() == found.keys() and all(torch.equal(expected[k], found[k]) for k in expected)
+    assert audit_problems(workspace) == [("missing_exit", 0, 0), ("missing_exit", 1, 0)]  # the killed attempt
