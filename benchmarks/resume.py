@@ -158,6 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--positions", type=int, nargs="+", default=[0, 1000, 10_000, 100_000])
     parser.add_argument("--sample-us", type=float, default=50.0, help="CPU cost of one __getitem__")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="rows to measure")
     parser.add_argument("--quick", action="store_true", help="positions 0 and 200: a smoke run (no verdict)")
     parser.add_argument("--child", nargs=5, metavar=("WORKSPACE", "KIND", "SAMPLES", "COST", "STEPS"))
     args = parser.parse_args()
@@ -168,11 +169,12 @@ def main() -> None:
     if args.quick:
         args.positions = [0, 200]
     torch.set_num_threads(1)
-    kinds = list(KINDS)
+    kinds = list(args.kinds)
     try:
         import torchdata  # noqa: F401
     except ImportError:
-        kinds.remove("StatefulDataLoader")
+        if "StatefulDataLoader" in kinds:
+            kinds.remove("StatefulDataLoader")
         print("torchdata is not installed (pip install 'trainfsm[data]'): no StatefulDataLoader row")
     samples = (max(args.positions) + 2) * BATCH
     cost = args.sample_us * 1e-6
