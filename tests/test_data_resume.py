@@ -386,3 +386,15 @@ def test_two_ddp_ranks_killed_at_a_random_moment_resume_to_the_uninterrupted_par
     found = torch.load(workspace / "final.pt", weights_only=True)
     assert expected.keys() == found.keys() and all(torch.equal(expected[k], found[k]) for k in expected)
     assert audit_problems(workspace) == [("missing_exit", 0, 0), ("missing_exit", 1, 0)]  # the killed attempt
+
+
+def test_a_checkpoint_without_the_loaders_state_starts_a_fresh_iterator_and_says_why(tmp_path: Path) -> None:
+    # Saved with a plain DataLoader, resumed with a StatefulDataLoader: no loader state to load.
+    train(tmp_path, _shuffled_partial_batches, 3)
+    loader_type = stateful_dataloader()
+    resumed = train(tmp_path, lambda: loader_type(Samples(30), batch_size=4, shuffle=True), 5)
+    assert len(resumed.seen) == 2 and all(len(batch) == 4 for batch in resumed.seen)
+    trail = [json.loads(line) for line in (tmp_path / "logs/events.rank0.jsonl").read_text().splitlines()]
+    [record] = [e for e in trail if e["event"] == "data_resumed"]
+    assert (record["mode"], record["batches"], record["positioned"]) == ("none", 0, 0)
+    assert record["why"] == "the checkpoint has no data position for 'state' (saved with another data_resume)"

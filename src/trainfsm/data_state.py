@@ -258,15 +258,9 @@ def resume(loader: Iterable[Any], mode: str, saved: dict[str, Any]) -> Resumed:
         if mode == "sampler" and target > 0:
             return done(_iter_skipping(loader, target), target, epoch_rng, target)
         iterator = iter(loader)
-        drawn = 0
-        for _ in range(target):
-            try:
-                next(iterator)
-            except StopIteration:
-                break
-            drawn += 1
+        drawn = sum(1 for _ in itertools.islice(iterator, target))  # replayed: each batch loaded
         return done(iterator, drawn, epoch_rng, drawn)
     if mode != "none":
-        why = f"the checkpoint has no data position for {mode!r} (saved with another data_resume); a fresh iterator"
+        mode, why = "none", f"the checkpoint has no data position for {mode!r} (saved with another data_resume)"
     state = epoch_start(loader)
-    return Resumed(iter(loader), 0, state, "none", why if mode != "none" else "asked for (data_resume)", 0, 0.0)
+    return done(iter(loader), 0, state, 0)
