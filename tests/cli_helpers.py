@@ -77,6 +77,7 @@ def trail(workspace: Path, rank: int = 0) -> Path:
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
+    """The file's lines as written (a compact ``steps`` record is one line), for line numbers."""
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 

@@ -9,7 +9,6 @@ raised. Every call records which batch it saw, so tests can tell which data a st
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ from torch import nn
 
 from trainfsm import STATES, BaseHook, BaseTrainer
 from trainfsm.machine import EXIT, transition_rows
+from trainfsm.trail import TrailError
+from trainfsm.trail import read_events as read_trail_events
 
 EVENTS_FILE = Path("logs") / "events.rank0.jsonl"
 COMMON_FIELDS = ("ts", "event", "rank", "step", "state", "run_id", "attempt")
@@ -166,7 +167,16 @@ _add_state_callbacks()
 # ---------------------------------------------------------------- audit trail readers
 def read_events(workspace: Path) -> list[dict[str, Any]]:
     """Every event of ``workspace``'s rank-0 audit trail, in file order."""
-    return [json.loads(line) for line in (Path(workspace) / EVENTS_FILE).read_text().splitlines()]
+    return trail_events(workspace)
+
+
+def trail_events(where: Path | str, rank: int = 0) -> list[dict[str, Any]]:
+    """Rank ``rank``'s events (a workspace or an events file), segments included, compact ``steps``
+    records expanded to the transitions they stand for; [] when there is no trail yet."""
+    try:
+        return list(read_trail_events(where, rank))
+    except TrailError:
+        return []
 
 
 def transitions_of(events: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, str]]:

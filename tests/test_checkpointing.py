@@ -17,7 +17,7 @@ import torch
 import xxhash
 from torch import nn
 
-from tests.helpers import read_events
+from tests.helpers import read_events, trail_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointError, CheckpointingHook
 from trainfsm.checkpoint import CheckpointStore
 from trainfsm.checkpoint_io import BUFFER_BYTES, DurableWriter, Staging, open_for_writing
@@ -60,8 +60,7 @@ def params(trainer: BaseTrainer) -> list[torch.Tensor]:
 
 
 def events(workspace: Path, name: str | None = None) -> list[dict[str, Any]]:
-    lines = (workspace / "logs" / "events.rank0.jsonl").read_text().splitlines()
-    out = [json.loads(line) for line in lines]
+    out = trail_events(workspace)
     return [e for e in out if name is None or e["event"] == name]
 
 

@@ -28,6 +28,7 @@ from tests.cli_helpers import (
     trail,
     write_lines,
 )
+from tests.helpers import make_batches
 from trainfsm.audit import PROBLEM_KINDS, SCHEMA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +51,9 @@ def test_a_completed_run_is_consistent_with_exact_counts(tmp_path: Path, capsys:
     assert attempt["signals"] == {"received": [], "agreed": None}
     assert attempt["exit"] == {"reason": "completed", "code": 0} and not attempt["killed"]
     assert attempt["end"] == {"state": "EXIT", "step": 6}
-    assert report["files"] == [{"path": str(trail(tmp_path)), "ranks": [0], "events": len(read_lines(trail(tmp_path)))}]
+    assert report["files"] == [
+        {"path": str(trail(tmp_path)), "ranks": [0], "events": len(trail(tmp_path).read_text().splitlines())}
+    ]
 
 
 def test_the_text_report_says_what_happened(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -180,9 +183,86 @@ def test_a_real_sigkill_is_a_missing_exit_and_nothing_else(tmp_path: Path, capsy
 # ------------------------------------------------------------------ edited trails are caught
 @pytest.fixture
 def base(tmp_path: Path) -> list[dict[str, Any]]:
-    """The events of a real 6-step run that checkpoints every 2 steps."""
-    run(tmp_path / "real", steps=6, interval=2)
+    """The events of a real 6-step run that checkpoints every 2 steps, every transition verbatim."""
+    run(tmp_path / "real", steps=6, interval=2, trail_form="full")
     return read_lines(trail(tmp_path / "real"))
+
+
+@pytest.fixture
+def compact(tmp_path: Path) -> list[dict[str, Any]]:
+    """The events of a real 8-step run of 2 micro-batches a step that checkpoints after step 4,
+    routine steps compact."""
+    run(tmp_path / "real", steps=8, interval=4, gradient_accumulation_steps=2, batches=make_batches(16))
+    lines = read_lines(trail(tmp_path / "real"))
+    assert [(e["first"], e["step"]) for e in lines if e["event"] == "steps"] == [(1, 3), (5, 7)]
+    return lines
+
+
+def test_compact_routine_steps_replay_like_their_transitions(
+    tmp_path: Path, compact: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(
+        tmp_path / "full",
+        steps=8,
+        interval=4,
+        gradient_accumulation_steps=2,
+        batches=make_batches(16),
+        trail_form="full",
+    )
+    _, full = audit_json(capsys, trail(tmp_path / "full"))
+    code, report = audit_json(capsys, trail(tmp_path / "real"))
+    assert code == 0 and report["problems"] == []
+    same = ("first_step", "last_step", "steps_done", "micro_batches", "checkpoint_steps", "end", "exit")
+    assert {k: report["attempts"][0][k] for k in same} == {k: full["attempts"][0][k] for k in same}
+    assert report["attempts"][0]["steps_done"] == 8 and report["attempts"][0]["micro_batches"] == 16
+
+
+def test_compact_steps_taken_from_another_state_are_illegal(
+    tmp_path: Path, compact: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    i = index_of(compact, event="steps", first=5)
+    assert compact[i - 1] == {**compact[i - 1], "trigger": "resume", "dest": "STEP"}
+    del compact[i - 1]  # CHECKPOINT -> STEP is gone: the steps begin while the machine is in CHECKPOINT
+    path = write_lines(tmp_path / "events.rank0.jsonl", compact)
+    code, report = audit_json(capsys, path)
+    # The step did not advance either (that happens on entering STEP): a gap at the same line.
+    assert code == 1 and problems(report) == [("illegal_transition", path.name, i), ("gap", path.name, i)]
+    assert (
+        "micro: STEP -> ACCUMULATE (routine steps 5-7) taken while the machine was in CHECKPOINT"
+        in (report["problems"][0]["message"])
+    )
+
+
+def test_compact_steps_that_skip_a_step_are_a_gap(
+    tmp_path: Path, compact: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    i = index_of(compact, event="steps", first=1)
+    compact[i]["first"], compact[i]["dt"] = 2, compact[i]["dt"][1:]  # step 1 is not in the trail
+    path = write_lines(tmp_path / "events.rank0.jsonl", compact)
+    code, report = audit_json(capsys, path)
+    assert code == 1 and problems(report)[0] == ("gap", path.name, i + 1)
+    assert report["problems"][0]["message"] == "step jumps from 1 to 2 (step 1 missing)"
+
+
+def test_a_missing_compact_record_is_a_gap(
+    tmp_path: Path, compact: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    i = index_of(compact, event="steps", first=5)
+    del compact[i]  # steps 5-7: the next transition is written at step 8
+    path = write_lines(tmp_path / "events.rank0.jsonl", compact)
+    code, report = audit_json(capsys, path)
+    assert code == 1 and problems(report) == [("gap", path.name, i + 1)]
+    assert report["problems"][0]["message"] == "step jumps from 5 to 8"
+
+
+def test_a_compact_record_whose_durations_do_not_add_up_is_unreadable(
+    tmp_path: Path, compact: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    i = index_of(compact, event="steps", first=5)
+    compact[i]["dt"].pop()
+    path = write_lines(tmp_path / "events.rank0.jsonl", compact)
+    code, _, err = cli(capsys, "audit", path)
+    assert code == 2 and f"{path}:{i + 1}: a steps record of steps 5-7 needs one integer duration per step" in err
 
 
 def test_a_transition_that_is_not_a_row_is_illegal(
@@ -380,10 +460,10 @@ def test_a_json_line_that_is_not_an_event_is_unreadable(
 def test_an_unknown_format_version_is_unreadable(
     tmp_path: Path, base: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base[0]["format"] = 2
+    base[0]["format"] = 99
     path = write_lines(tmp_path / "events.rank0.jsonl", base)
     code, _, err = cli(capsys, "audit", path)
-    assert code == 2 and f"{path}:1: events of format 2; this trainfsm reads format 1" in err
+    assert code == 2 and f"{path}:1: events of format 99; this trainfsm reads formats 1, 2 (it writes 2;" in err
 
 
 def test_a_cut_off_last_line_is_noted_and_tolerated(

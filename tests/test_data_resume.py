@@ -8,7 +8,6 @@ samples each resumed step saw, the final parameters and the ``data_resumed`` rec
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from tests.helpers import trail_events
 from trainfsm import BaseTrainer, CheckpointingHook
 
 
@@ -99,7 +99,7 @@ def resumed_run(tmp_path: Path, make_loader: Callable[[], Any], at: int, total: 
     straight = train(tmp_path / "straight", make_loader, total, **hook)
     train(tmp_path / "resumed", make_loader, at, **hook)
     resumed = train(tmp_path / "resumed", make_loader, total, seed=999, **hook)  # all must come from the checkpoint
-    trail = [json.loads(line) for line in (tmp_path / "resumed/logs/events.rank0.jsonl").read_text().splitlines()]
+    trail = trail_events(tmp_path / "resumed")
     [record] = [e for e in trail if e["event"] == "data_resumed"]
     return {"straight": straight, "resumed": resumed, "record": record}
 
@@ -394,7 +394,7 @@ def test_a_checkpoint_without_the_loaders_state_starts_a_fresh_iterator_and_says
     loader_type = stateful_dataloader()
     resumed = train(tmp_path, lambda: loader_type(Samples(30), batch_size=4, shuffle=True), 5)
     assert len(resumed.seen) == 2 and all(len(batch) == 4 for batch in resumed.seen)
-    trail = [json.loads(line) for line in (tmp_path / "logs/events.rank0.jsonl").read_text().splitlines()]
+    trail = trail_events(tmp_path)
     [record] = [e for e in trail if e["event"] == "data_resumed"]
     assert (record["mode"], record["batches"], record["positioned"]) == ("none", 0, 0)
     assert record["why"] == "the checkpoint has no data position for 'state' (saved with another data_resume)"

@@ -26,7 +26,7 @@ from tests.helpers import (
     transitions_of,
 )
 from trainfsm import STATES, BaseHook, BaseTrainer
-from trainfsm.events import BATCH, EVENT_FIELDS, render_console
+from trainfsm.events import BATCH, EVENT_FIELDS, FORMAT_VERSION, render_console
 
 
 # ---------------------------------------------------------------- the file
@@ -65,7 +65,7 @@ def test_run_start_records_the_configuration(make_trainer, events, tmp_path):
         max_steps=4, grad_clip=2.0, max_non_finite_grad_retries=3, gradient_accumulation_steps=2, max_epochs=7
     ).train()
     start = events()[0]
-    assert (start["event"], start["state"], start["step"], start["format"]) == ("run_start", "BUILD", 0, 1)
+    assert (start["event"], start["state"], start["step"], start["format"]) == ("run_start", "BUILD", 0, FORMAT_VERSION)
     assert (start["world_size"], start["max_steps"]) == (1, 4)
     assert start["config"] == {
         "grad_clip": 2.0,

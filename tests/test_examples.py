@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import trail_events
 from trainfsm import demo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ def _trainfsm() -> list[str]:
 
 def _events(path: Path) -> list[dict[str, Any]]:
     assert path.is_file(), f"no audit trail at {path}"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return trail_events(path)
 
 
 def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -7,7 +7,6 @@ named). ``tests/faults/early_signal.py`` is the training script; it is made slow
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import torch
 
 from tests.distributed.launch import audit_problems
 from tests.faults.early_signal import HERE as SCRIPT
+from tests.helpers import trail_events
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="real signals to child processes")
 
@@ -51,8 +51,7 @@ def signal_in(workspace: Path, place: str, sig: signal.Signals, *args: str) -> t
 
 
 def events(workspace: Path) -> list[dict[str, Any]]:
-    path = workspace / "logs" / "events.rank0.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return trail_events(workspace)
 
 
 def outline(trail: list[dict[str, Any]]) -> list[str]:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import trail_events
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 
 SCRIPT = """
@@ -92,8 +94,7 @@ def train_in_a_group(tmp_path: Path, when: str) -> tuple[list[str], list[dict[st
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    lines = (tmp_path / "ws" / "logs" / "events.rank0.jsonl").read_text().splitlines()
-    events = [json.loads(line) for line in lines]
+    events = trail_events(tmp_path / "ws")
     return json.loads(done.stdout.splitlines()[-1]), [e for e in events if e["event"] == "group_outlives_destroy"]
 
 

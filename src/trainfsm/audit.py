@@ -177,7 +177,8 @@ class _Replay:
     each event is checked against them, then applied.
     """
 
-    def __init__(self, first: Record, problems: list[Problem]) -> None:
+    def __init__(self, first: Record, problems: list[Problem], origin: str = "") -> None:
+        self.origin = origin  # the rank trail (all its segments) the attempt was read from
         self.result = RankAttempt(rank=first.rank, attempt=first.attempt, file=first.file, started_at=first.ts)
         self.problems = problems
         self.state = fsm.BUILD
@@ -195,6 +196,8 @@ class _Replay:
         result.end_line = record.line
         if record.name == "transition":
             self._transition(record)
+        elif record.name == "steps":
+            self._steps(record)
         else:
             self._check_position(record)
             handler = _HANDLERS.get(record.name)
@@ -247,6 +250,34 @@ class _Replay:
             if self.result.first_step is None:
                 self._check_first_step(record)
                 self.result.first_step = self.step
+
+    def _steps(self, record: Record) -> None:
+        """A compact run of routine steps first..step: each is ``fsm.ROUTINE_START``, ``micro - 1``
+        x ``fsm.ROUTINE_NEXT``, ``fsm.ROUTINE_END``, replayed at once (they are rows of the table,
+        checked at import), so auditing costs the same per record however many steps it holds."""
+        first, last, micro = record.data["first"], record.step, record.data["micro"]
+        if self.state != fsm.STEP:
+            trigger, source, dest = fsm.ROUTINE_START
+            self.problem(
+                "illegal_transition",
+                record,
+                f"{trigger}: {source} -> {dest} (routine steps {first}-{last}) taken while the machine was in "
+                f"{self.state}",
+            )
+        if first != self.step:
+            missing = f" (step {self.step} missing)" if first == self.step + 1 else ""
+            self.problem("gap", record, f"step jumps from {self.step} to {first}{missing}")
+        if record.state != fsm.STEP:
+            self.problem("state_mismatch", record, f"routine steps ending in STEP written in state {record.state}")
+        result = self.result
+        count = last - first + 1
+        result.micro_batches += count * micro
+        result.steps_done += count
+        result.last_step = last
+        self.state = fsm.STEP
+        self.step = last + 1
+        if result.first_step is None:  # a trail that begins mid-attempt
+            result.first_step = first
 
     def _step_never_happened(self) -> None:
         """A trigger of ``fsm.STEP_TAKEN_BACK`` (``max_epochs`` ran out): the step that began is taken back."""
@@ -534,7 +565,7 @@ def _replay_file(
             observe(record)
         if key != (record.attempt, record.rank):
             key = (record.attempt, record.rank)
-            replay = _replay_for(record, replays, problems, latest)
+            replay = _replay_for(record, replays, problems, latest, str(path))
             if record.rank not in ranks:
                 ranks.append(record.rank)
         replay.feed(record)  # type: ignore[union-attr]
@@ -542,7 +573,11 @@ def _replay_file(
 
 
 def _replay_for(
-    record: Record, replays: dict[tuple[int, int], _Replay], problems: list[Problem], latest: dict[int, int]
+    record: Record,
+    replays: dict[tuple[int, int], _Replay],
+    problems: list[Problem],
+    latest: dict[int, int],
+    origin: str,
 ) -> _Replay:
     """The replay of the record's (attempt, rank); checks that attempts follow each other in a file
     (a restarted process appends to its rank's file) and that no other file holds the same."""
@@ -562,10 +597,10 @@ def _replay_for(
     key = (record.attempt, record.rank)
     replay = replays.get(key)
     if replay is None:
-        replay = replays[key] = _Replay(record, problems)
-    elif replay.result.file != record.file:
+        replay = replays[key] = _Replay(record, problems, origin)
+    elif replay.origin != origin:
         raise TrailError(
-            f"{record.where()}: rank {record.rank}, attempt {record.attempt} is also in {replay.result.file}; "
+            f"{record.where()}: rank {record.rank}, attempt {record.attempt} is also in {replay.origin}; "
             f"pass one trail per rank"
         )
     return replay

@@ -9,18 +9,26 @@ own sink with its own processors instead, so a user's structlog setup is untouch
 readable rendering through the stdlib logger given to the trainer (``logging.getLogger("trainfsm")``
 by default): decision events at INFO (WARNING/ERROR for problems), every transition at DEBUG.
 
-Transitions are the hot path (two or more per optimizer step), so they are recorded as a tuple
-(time, step, row) and rendered through the same structlog chain in batches: every ``BATCH``
-transitions, and always before any other event, so the file's order is the order things happened.
-Every non-transition event flushes the file: a process that is killed outright loses at most the
-transitions since the last decision event, never a checkpoint, retry, signal or exit.
+Transitions are the hot path (two or more per optimizer step). A routine step (the machine's
+``ROUTINE_*`` rows, nothing else happening) is written as part of one compact ``steps`` record per
+run of such steps: about 7 bytes a step before compression, and replayed by ``trainfsm audit`` as
+the rows it stands for. Everything else is written verbatim, in the order it happened; a
+``form="full"`` log writes every transition verbatim (for debugging the trail itself).
+
+What a process killed outright (SIGKILL, the OOM killer, a lost node) loses is bounded: every
+non-transition event flushes the file, and at each step's end whatever was recorded is written
+out once ``FLUSH_SECONDS`` passed since the last write. The trail is at most one step behind the
+step in flight, or under a second behind the kill for shorter steps (``tests/faults/trail_lag.py``
+measures it). The file rotates into compressed segments (``trainfsm.segments``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, MutableMapping
@@ -28,6 +36,9 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 import structlog
+
+from trainfsm import segments
+from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
 
 try:  # orjson renders an event ~5x faster than json; both give the same JSON lines.
     import orjson
@@ -41,12 +52,19 @@ except ImportError:  # pragma: no cover - exercised where orjson is absent
         return (json.dumps(event, default=str, separators=(",", ":")) + "\n").encode()
 
 
-FORMAT_VERSION: Final = 1
+#: 2: routine steps are written as compact ``steps`` records (1: every transition verbatim).
+#: The readers take both.
+FORMAT_VERSION: Final = 2
+READABLE_FORMATS: Final = (1, 2)
 
 #: Event name -> the fields it adds to the common ones. Decision events are INFO for people.
 EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
-    "run_start": ("format", "versions", "world_size", "max_steps", "config", "signals", "torchelastic"),
+    "run_start": ("format", "versions", "world_size", "max_steps", "config", "signals", "torchelastic", "trail"),
     "transition": ("trigger", "source", "dest"),
+    # Routine steps first..step (``step`` is the last), each ``micro`` micro-batches long: the first
+    # began at ``t0``, ``dt`` is each step's end minus the previous one's (the first's: minus t0)
+    # in integer microseconds, and ``ts`` the last step's end.
+    "steps": ("first", "micro", "t0", "dt"),
     "restore": ("resumed", "from_step"),
     "epoch": ("epoch",),
     "data_resumed": ("mode", "why", "epoch", "batches", "positioned", "seconds"),
@@ -86,24 +104,39 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
 
 EXIT_REASONS: Final = ("completed", "preempted", "failed", "stopped")
 
-#: Transitions rendered per batch. Rendering them in a burst keeps structlog's objects in cache;
-#: one at a time between a step's kernels, each costs several times more.
+#: The trail's forms: routine steps as ``steps`` records, or every transition verbatim (debugging).
+TRAIL_FORMS: Final = ("compact", "full")
+
+#: Verbatim transitions rendered per batch. Rendering them in a burst keeps structlog's objects in
+#: cache; one at a time between a step's kernels, each costs several times more.
 BATCH: Final = 64
 
+#: What a SIGKILL may cost: at a step's end, what was recorded is written out once this many
+#: seconds passed since the last write. Steps longer than this are written as each ends (the
+#: trail is one step behind the step in flight), shorter ones at most this long plus one step
+#: after they ended (under a second). No thread: a clock read per step, a write per interval.
+FLUSH_SECONDS: Final = 0.5
+
 _CONSOLE_FIELDS_SKIPPED: Final = frozenset({"ts", "event", "rank", "run_id", "attempt", "traceback"})
+_START, _NEXT, _END = ROUTINE_START, ROUTINE_NEXT, ROUTINE_END
 
 
 class _FileSink:
     """structlog's final "logger": writes rendered lines; flushes all but transitions."""
 
-    def __init__(self, file: IO[bytes]) -> None:
+    def __init__(self, file: IO[bytes], flushed: Callable[[], None]) -> None:
+        self._flushed = flushed
+        self.info = self.warning = self.error = self.critical = self._write_flush
+        self.retarget(file)
+
+    def retarget(self, file: IO[bytes]) -> None:
         self._file = file
         self.debug = file.write  # transitions: buffered
-        self.info = self.warning = self.error = self.critical = self._write_flush
 
     def _write_flush(self, line: bytes) -> None:
         self._file.write(line)
         self._file.flush()
+        self._flushed()
 
 
 class _NullSink:
@@ -115,11 +148,26 @@ class _NullSink:
     debug = info = warning = error = critical = _drop
 
 
+class _Run:
+    """Consecutive routine steps first..last of ``micro`` micro-batches, not yet written."""
+
+    __slots__ = ("dt", "first", "last", "micro", "prev", "t0")
+
+    def __init__(self, step: int, micro: int, t0: float, end: float) -> None:
+        self.first = self.last = step
+        self.micro, self.t0, self.prev = micro, t0, end
+        self.dt = [round((end - t0) * 1e6)]
+
+
 class EventLog:
     """The trainer's event writer: a bound structlog logger plus the file it writes to.
 
-    ``log.debug("transition", ...)`` is the hot path: a filtering bound logger, a handful of
-    processors that touch no strings, one orjson call and a buffered write.
+    Transitions are the hot path (two or more per optimizer step). In the compact form a routine
+    step (``ROUTINE_START``, ``ROUTINE_NEXT`` x n, ``ROUTINE_END`` with nothing else in between)
+    costs two clock reads and a few list appends: it joins the open run of such steps, which is
+    written as one ``steps`` record when something else is written or ``FLUSH_SECONDS`` passed.
+    Every other transition is recorded as (time, step, row) and rendered verbatim in batches,
+    always before any other event, so the file's order is the order things happened.
     """
 
     def __init__(
@@ -132,57 +180,215 @@ class EventLog:
         attempt: int,
         progress: Callable[[], tuple[int, str]],
         owner: Any = None,
+        form: str = "compact",
+        segment_bytes: int | None = None,
     ) -> None:
         self.path = path
         self.console = console
+        self.form = form
+        self._common = {"rank": rank, "run_id": run_id, "attempt": attempt}
         self._file: IO[bytes] | None = None
+        self.segment_bytes = segment_bytes or segments.SEGMENT_BYTES
+        self._compressing: threading.Thread | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "ab", buffering=1 << 16)  # noqa: SIM115 - closed by close()
+            self._compress_later(segments.unfinished(path))  # a killed predecessor's
         self._progress = progress
         self._owner = owner  # has ``.step`` (the trainer): read directly on the per-step path
         self._console_debug = console.isEnabledFor(logging.DEBUG)
-        self._pending: list[tuple[float, int, tuple[str, str, str]]] = []
+        self._pending: list[tuple[float, int, tuple[str, str, str]] | bytes] = []
+        self._step_rows: list[tuple[float, int, tuple[str, str, str]]] = []  # the routine step in flight
+        self._run: _Run | None = None
+        self._last_write = time.time()
         # People watching transitions on the console see them as they happen.
         self._batch = 1 if self._console_debug else BATCH
         processors: list[Any] = [self._drain_first, self._add_progress, self._to_console]
         if self._file is not None:
             processors.append(self._render)
+            self._sink: _FileSink | None = _FileSink(self._file, self._flushed)
         else:
             processors.append(self._discard)
+            self._sink = None
         self.log: Any = structlog.wrap_logger(
-            _FileSink(self._file) if self._file is not None else _NullSink(),
+            self._sink if self._sink is not None else _NullSink(),
             processors=processors,
             wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
             context_class=dict,
             cache_logger_on_first_use=True,
-        ).bind(rank=rank, run_id=run_id, attempt=attempt)
+        ).bind(**self._common)
 
+    # ---------------------------------------------------------------- recording transitions
     def transition_recorder(self, trigger: str, source: str, dest: str) -> Callable[[], None]:
         """The callable the machine runs at the instant it takes (trigger, source -> dest)."""
         row = (trigger, source, dest)
+        if self.form == "compact":
+            if row in (_START, _NEXT):
+                return self._routine_recorder(_START if row == _START else _NEXT)
+            if row == _END:
+                return self._routine_end
         pending, append, clock, owner = self._pending, self._pending.append, time.time, self._owner
         batch = self._batch
 
         def record() -> None:
-            append((clock(), owner.step, row))  # the state is ``dest``: no need to read it
-            if len(pending) >= batch:
+            now = clock()
+            if self._run is not None or self._step_rows:
+                self._spill()
+            append((now, owner.step, row))  # the state is ``dest``: no need to read it
+            if now - self._last_write >= FLUSH_SECONDS or now < self._last_write:
+                self.write_out()
+            elif len(pending) >= batch:
                 self.drain()
 
         return record
 
+    def _routine_recorder(self, row: tuple[str, str, str]) -> Callable[[], None]:
+        append, clock, owner = self._step_rows.append, time.time, self._owner
+        if self._console_debug:  # people watching see each transition as it happens
+
+            def record_and_show() -> None:
+                append((now := clock(), owner.step, row))
+                self._show(now, owner.step, row)
+
+            return record_and_show
+
+        def record() -> None:
+            append((clock(), owner.step, row))
+
+        return record
+
+    def _show(self, ts: float, step: int, row: tuple[str, str, str]) -> None:
+        trigger, source, dest = row
+        event = {"event": "transition", "rank": self._common["rank"], "step": step, "state": dest}
+        self.console.debug("%s", render_console({**event, "trigger": trigger, "source": source, "dest": dest}))
+
+    def _routine_end(self) -> None:
+        """A step left ACCUMULATE by ``stepped``: fold it into the open run if it was routine."""
+        now = time.time()
+        step = self._owner.step
+        if self._console_debug:
+            self._show(now, step, _END)
+        rows = self._step_rows
+        if rows and rows[0][2] is _START:
+            run = self._run
+            if run is not None and run.micro == len(rows) and run.last + 1 == step:
+                run.dt.append(round((now - run.prev) * 1e6))
+                run.last, run.prev = step, now
+            else:
+                if run is not None:
+                    self._pending.append(self._render_run(run))
+                self._run = _Run(step, len(rows), rows[0][0], now)
+            rows.clear()
+        else:  # part of the step was written already (an event came in between): verbatim
+            rows.append((now, step, _END))
+            self._spill()
+        if now - self._last_write >= FLUSH_SECONDS or now < self._last_write:
+            self.write_out()
+
+    def _spill(self) -> None:
+        """The open run as its record, then the step in flight's rows verbatim, into ``_pending``."""
+        if self._run is not None:
+            self._pending.append(self._render_run(self._run))
+            self._run = None
+        if self._step_rows:
+            if self._console_debug:  # shown as they happened: not again
+                self._pending.extend((*row, True) for row in self._step_rows)  # type: ignore[misc]
+            else:
+                self._pending.extend(self._step_rows)
+            self._step_rows.clear()
+
+    def _render_run(self, run: _Run) -> bytes:
+        return _dumps(
+            {
+                "ts": run.prev,
+                "event": "steps",
+                **self._common,
+                "step": run.last,
+                "state": _END[2],
+                "first": run.first,
+                "micro": run.micro,
+                "t0": run.t0,
+                "dt": run.dt,
+            }
+        )
+
+    # ---------------------------------------------------------------- writing
     def drain(self) -> None:
-        """Render the recorded transitions, oldest first."""
+        """Write everything recorded (runs as ``steps`` records, other transitions verbatim) to
+        the file's buffer, oldest first, and show on the console at DEBUG what it has not shown."""
+        self._spill()
         if not self._pending:
             return
         pending = self._pending.copy()
         self._pending.clear()
-        debug = self.log.debug
-        for ts, step, (trigger, source, dest) in pending:
-            debug("transition", ts=ts, step=step, state=dest, trigger=trigger, source=source, dest=dest)
+        write = self._file.write if self._file is not None else None
+        show = self._console_debug
+        common = self._common
+        for item in pending:
+            if type(item) is bytes:
+                if write is not None:
+                    write(item)
+                continue
+            ts, step, (trigger, source, dest) = item[0], item[1], item[2]  # type: ignore[index,misc]
+            if show and len(item) == 3:
+                self._show(ts, step, item[2])  # type: ignore[index,arg-type]
+            if write is not None:
+                write(
+                    _dumps(
+                        {
+                            "ts": ts,
+                            "event": "transition",
+                            **common,
+                            "step": step,
+                            "state": dest,
+                            "trigger": trigger,
+                            "source": source,
+                            "dest": dest,
+                        }
+                    )
+                )
 
+    def write_out(self) -> None:
+        """Drain and flush to the file (the bound on what a SIGKILL loses); rotate when it is full."""
+        self.drain()
+        self._last_write = time.time()
+        file = self._file
+        if file is None:
+            return
+        file.flush()
+        if file.tell() >= self.segment_bytes:
+            self._rotate()
+
+    def _flushed(self) -> None:
+        self._last_write = time.time()
+
+    def _rotate(self) -> None:
+        """Close the full file as the next segment, compress it on a thread, write on in a new one."""
+        assert self.path is not None and self._file is not None and self._sink is not None
+        self._file.close()
+        closed = segments.segment_path(self.path, segments.next_number(self.path))
+        os.replace(self.path, closed)
+        self._file = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115 - closed by close()
+        self._sink.retarget(self._file)
+        self._compress_later([closed])
+
+    def _compress_later(self, plain: list[Path]) -> None:
+        if not plain:
+            return
+        previous = self._compressing
+
+        def work() -> None:
+            if previous is not None:
+                previous.join()
+            for path in plain:
+                segments.compress(path)
+
+        self._compressing = threading.Thread(target=work, name="trainfsm-trail-compress", daemon=True)
+        self._compressing.start()
+
+    # ---------------------------------------------------------------- structlog processors
     def _drain_first(self, _: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-        if self._pending:  # earlier transitions are written before this event
+        if self._pending or self._run is not None or self._step_rows:  # earlier records first
             self.drain()
         return event
 
@@ -209,9 +415,7 @@ class EventLog:
         return b""
 
     def flush(self) -> None:
-        self.drain()
-        if self._file is not None:
-            self._file.flush()
+        self.write_out()
 
     def close(self) -> None:
         self.drain()
@@ -219,6 +423,9 @@ class EventLog:
             self._file.flush()
             self._file.close()
             self._file = None
+        if self._compressing is not None:
+            self._compressing.join()
+            self._compressing = None
 
 
 def notice(console: logging.Logger | logging.LoggerAdapter[logging.Logger], text: str) -> None:
@@ -252,16 +459,26 @@ def new_run_id() -> str:
 def previous_attempt(path: Path) -> tuple[str, int] | None:
     """(run_id, attempt) of the last complete event in an existing trail, or None.
 
-    Reads only the file's tail: trails of week-long runs are large. A truncated last line (a
-    killed writer) is skipped.
+    Reads only the tail of the file being written, or of the last closed segment when that file
+    is empty (a process killed right after rotating): trails of week-long runs are large. A
+    truncated last line (a killed writer) is skipped.
     """
-    if not path.exists():
-        return None
-    with open(path, "rb") as f:
-        f.seek(0, 2)
-        size = f.tell()
-        f.seek(max(0, size - (1 << 16)))
-        tail = f.read().splitlines()
+    for file in reversed(segments.files_of(path)):
+        found = _last_attempt_in(file)
+        if found is not None:
+            return found
+    return None
+
+
+def _last_attempt_in(path: Path) -> tuple[str, int] | None:
+    with segments.open_segment(path) as f:
+        if path.name.endswith(segments.COMPRESSED):
+            tail = f.read()[-(1 << 16) :].splitlines()  # a closed segment: bounded by SEGMENT_BYTES
+        else:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - (1 << 16)))
+            tail = f.read().splitlines()
     for line in reversed(tail):
         try:
             event = json.loads(line)

@@ -79,6 +79,15 @@ TRIGGERS: Final[tuple[str, ...]] = tuple(trigger for trigger, _, _ in TRANSITION
 #: when they fire, and the audit's replay goes back with it.
 STEP_TAKEN_BACK: Final[frozenset[str]] = frozenset({"exhausted"})
 
+#: A routine step, the path almost every step takes: into ACCUMULATE for its first micro-batch,
+#: ACCUMULATE -> ACCUMULATE for each further one, back to STEP with the optimizer step applied.
+#: Nothing else happening, such a step is determined by its micro-batch count, so the trail writes
+#: runs of them as one compact ``steps`` record (``trainfsm.events``) that the audit replays as
+#: these rows (checked against the table below at import).
+ROUTINE_START: Final = ("micro", STEP, ACCUMULATE)
+ROUTINE_NEXT: Final = ("micro", ACCUMULATE, ACCUMULATE)
+ROUTINE_END: Final = ("stepped", ACCUMULATE, STEP)
+
 #: Seed hook methods bound to transitions: method -> (callback list, trigger, source).
 #: ``on_before_step`` and ``on_after_train`` are state entries and are bound as such.
 SEED_TRANSITION_HOOKS: Final[dict[str, tuple[tuple[str, str, str], ...]]] = {
@@ -226,3 +235,13 @@ def bind(
 def state_hook_names(states: Sequence[str] = STATES) -> list[tuple[str, str, str]]:
     """(method name, kind, state) for every ``on_enter_<state>`` / ``on_exit_<state>``."""
     return [(f"on_{kind}_{state.lower()}", kind, state) for state in states for kind in ("enter", "exit")]
+
+
+def _check_routine_rows() -> None:
+    rows = set(transition_rows())
+    for row in (ROUTINE_START, ROUTINE_NEXT, ROUTINE_END):
+        if row not in rows:  # pragma: no cover - a table edit that forgot the compact trail
+            raise AssertionError(f"the routine step's row {row} is not a row of TRANSITIONS")
+
+
+_check_routine_rows()

@@ -7,9 +7,13 @@ memory: each command folds the records into the little it needs.
 What counts as unreadable (``TrailError``, the commands exit 2) and what is tolerated (a ``Note``):
 
 - a missing file, an empty file, a directory without ``logs/events.rank*.jsonl``: unreadable;
+- a rank's trail is its closed segments (``events.rank0.00001.jsonl.gz``, ...) then the file being
+  written, read in that order as one stream, compressed or not (``trainfsm.segments``);
 - a complete line (it ends with a newline) that is not a JSON object carrying the common fields
   (``ts``, ``event``, ``rank``, ``step``, ``state``, ``attempt``): unreadable, naming file and line;
-- a ``run_start`` whose ``format`` is not ``FORMAT_VERSION``: unreadable (a newer writer's trail);
+- a ``run_start`` whose ``format`` is not one of ``READABLE_FORMATS``: unreadable (a newer
+  writer's trail); format 1 (every transition verbatim) and 2 (compact ``steps`` records) are read;
+- a ``steps`` record whose fields do not add up (``dt`` not one duration per step): unreadable;
 - a last line without its newline that does not parse: the writer was killed mid-line. Noted,
   skipped;
 - a line whose start is such a cut-off line and whose rest is the next attempt's ``run_start``
@@ -19,13 +23,14 @@ What counts as unreadable (``TrailError``, the commands exit 2) and what is tole
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm.events import FORMAT_VERSION
+from trainfsm import segments
+from trainfsm.events import FORMAT_VERSION, READABLE_FORMATS
+from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
 
 try:  # orjson parses a line several times faster than json; both accept the same lines.
     import orjson
@@ -47,8 +52,6 @@ REQUIRED_FIELDS: Final[dict[str, type | tuple[type, ...]]] = {
 }
 TRANSITION_FIELDS: Final = ("trigger", "source", "dest")
 _NUMBERS: Final = (float, int)
-
-_RANK_FILE: Final = re.compile(r"events\.rank(\d+)\.jsonl$")
 
 
 class TrailError(Exception):
@@ -112,11 +115,13 @@ def _where(file: str | None, line: int | None) -> str:
 
 
 def rank_files(directory: Path) -> list[Path]:
-    """``events.rank*.jsonl`` of a workspace (under ``logs/``) or of a logs directory, by rank."""
+    """The trail of each rank of a workspace (under ``logs/``) or of a logs directory, by rank:
+    ``events.rank{R}.jsonl``, the name of the file being written, which stands for the rank's
+    closed segments too (it may be missing when only segments are left)."""
     for candidate in (directory / "logs", directory):
-        found = [p for p in candidate.glob("events.rank*.jsonl") if _RANK_FILE.search(p.name)]
-        if found:
-            return sorted(found, key=lambda p: int(_RANK_FILE.search(p.name).group(1)))  # type: ignore[union-attr]
+        ranks = {rank for p in candidate.glob("events.rank*.jsonl*") if (rank := segments.rank_of(p)) is not None}
+        if ranks:
+            return [candidate / segments.active_name(rank) for rank in sorted(ranks)]
     raise TrailError(f"{directory}: no audit trail here (expected {directory / 'logs' / 'events.rank*.jsonl'})")
 
 
@@ -126,7 +131,7 @@ def open_trail(inputs: Iterable[Path]) -> Trail:
     for item in inputs:
         if item.is_dir():
             found = rank_files(item)
-        elif item.is_file():
+        elif item.is_file() or (segments.rank_of(item) is not None and segments.closed_segments(item)):
             found = [item]
         else:
             raise TrailError(f"{item}: no such file or directory")
@@ -136,30 +141,97 @@ def open_trail(inputs: Iterable[Path]) -> Trail:
     if not files:
         raise TrailError("no audit trail given")
     for path in files:
-        if path.stat().st_size == 0:
+        if all(part.stat().st_size == 0 for part in _parts(path)):
             raise TrailError(f"{path}: the file is empty (no events)")
     return Trail(files)
 
 
+def _parts(path: Path) -> list[Path]:
+    """The files that make up ``path``'s trail: a closed segment given by name is itself alone."""
+    if segments.is_segment(path):
+        return [path]
+    return segments.files_of(path) or [path]
+
+
 def read_records(path: Path, notes: list[Note]) -> Iterator[Record]:
-    """Stream ``path``'s events; tolerated damage is appended to ``notes`` (see the module doc)."""
-    file = str(path)
+    """Stream ``path``'s events, its closed segments first; tolerated damage is appended to
+    ``notes`` (see the module doc)."""
     count = 0
-    try:
-        handle = open(path, "rb")  # noqa: SIM115 - closed below, also when the consumer stops early
-    except OSError as exc:
-        raise TrailError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    with handle:
-        for number, raw in enumerate(handle, 1):
-            if not raw.strip():
-                continue
-            data = _parse(raw, file, number, notes)
-            if data is None:
-                continue
-            count += 1
-            yield Record(file, number, data)
+    for part in _parts(path):
+        file = str(part)
+        try:
+            handle = segments.open_segment(part)
+        except OSError as exc:
+            raise TrailError(f"{part}: cannot read ({exc.strerror or exc})") from None
+        with handle:
+            try:
+                for number, raw in enumerate(handle, 1):
+                    if not raw.strip():
+                        continue
+                    data = _parse(raw, file, number, notes)
+                    if data is None:
+                        continue
+                    count += 1
+                    yield Record(file, number, data)
+            except (OSError, EOFError) as exc:  # a damaged .gz segment
+                raise TrailError(f"{part}: cannot read ({exc})") from None
     if count == 0:
         raise TrailError(f"{path}: no complete events in the file")
+
+
+def read_events(path: Path | str, rank: int = 0, *, expand: bool = True) -> Iterator[dict[str, Any]]:
+    """The events of one rank's trail as dicts, in the order they were written, segments included.
+
+    ``path`` is a workspace, its ``logs`` directory or a rank's ``events.rank{R}.jsonl``. With
+    ``expand`` (the default) each compact ``steps`` record is given as the transitions it stands
+    for (``expand_steps``), so a reader sees the same transitions whichever form wrote the trail.
+    """
+    path = Path(path)
+    if path.is_dir():
+        by_rank = {segments.rank_of(p): p for p in rank_files(path)}
+        if rank not in by_rank:
+            raise TrailError(f"{path}: no trail of rank {rank} (ranks: {sorted(by_rank)})")  # type: ignore[type-var]
+        path = by_rank[rank]
+    for record in read_records(path, []):
+        if expand and record.name == "steps":
+            yield from expand_steps(record.data)
+        else:
+            yield record.data
+
+
+def expand_steps(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The transitions a ``steps`` record stands for, as the full form writes them.
+
+    Times: a step's first transition gets the previous step's end (``t0`` for the first step), its
+    further micro-batches the same time (the record does not keep them), and ``stepped`` its end.
+    """
+    common = {key: data[key] for key in ("rank", "run_id", "attempt") if key in data}
+    out: list[dict[str, Any]] = []
+    begin = float(data["t0"])
+    end = begin
+    for offset, micros in enumerate(data["dt"]):
+        step = data["first"] + offset
+        end += micros / 1e6
+        for index in range(data["micro"]):
+            trigger, source, dest = ROUTINE_START if index == 0 else ROUTINE_NEXT
+            out.append(_transition(begin, step, trigger, source, dest, common))
+        trigger, source, dest = ROUTINE_END
+        out.append(_transition(end, step, trigger, source, dest, common))
+        begin = end
+    return out
+
+
+def _transition(ts: float, step: int, trigger: str, source: str, dest: str, common: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "ts": ts,
+        "event": "transition",
+        **common,
+        "step": step,
+        "state": dest,
+        "trigger": trigger,
+        "source": source,
+        "dest": dest,
+    }
 
 
 def _parse(raw: bytes, file: str, number: int, notes: list[Note]) -> dict[str, Any] | None:
@@ -210,10 +282,22 @@ def _check_event(data: Any, where: str) -> None:
         if not (type(data.get("trigger")) is str and type(data.get("source")) is str and type(data.get("dest")) is str):
             missing = next(name for name in TRANSITION_FIELDS if not isinstance(data.get(name), str))
             raise TrailError(f"{where}: a transition without {missing!r}")
-    elif event == "run_start" and data.get("format") != FORMAT_VERSION:
+    elif event == "steps":
+        _check_steps(data, where)
+    elif event == "run_start" and data.get("format") not in READABLE_FORMATS:
         raise TrailError(
-            f"{where}: events of format {data.get('format')!r}; this trainfsm reads format {FORMAT_VERSION} "
-            f"(a trail written by another trainfsm version?)"
+            f"{where}: events of format {data.get('format')!r}; this trainfsm reads formats "
+            f"{', '.join(map(str, READABLE_FORMATS))} (it writes {FORMAT_VERSION}; a trail of a newer trainfsm?)"
+        )
+
+
+def _check_steps(data: dict[str, Any], where: str) -> None:
+    first, micro, dt = data.get("first"), data.get("micro"), data.get("dt")
+    if not (type(first) is int and type(micro) is int and micro >= 1 and type(data.get("t0")) in _NUMBERS):
+        raise TrailError(f"{where}: a steps record needs integer 'first', 'micro' >= 1 and a number 't0'")
+    if not (isinstance(dt, list) and len(dt) == data["step"] - first + 1 and all(type(d) is int for d in dt)):
+        raise TrailError(
+            f"{where}: a steps record of steps {first}-{data['step']} needs one integer duration per step in 'dt'"
         )
 
 

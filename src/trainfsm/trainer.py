@@ -33,7 +33,7 @@ from trainfsm.agreement import (
     is_collective_error,
     trails,
 )
-from trainfsm.events import FORMAT_VERSION, EventLog, new_run_id, previous_attempt
+from trainfsm.events import FLUSH_SECONDS, FORMAT_VERSION, EventLog, new_run_id, previous_attempt
 from trainfsm.hooks.base import BaseHook, overrides
 from trainfsm.signals import (
     HELD_SIGNALS,
@@ -116,6 +116,7 @@ class BaseTrainer:
         logger: Any = None,
         max_epochs: int | None = None,
         loss_none_agreement: bool = False,
+        trail_form: str = "compact",
     ) -> None:
         self.max_steps: int = check.positive_int("max_steps", max_steps)  # type: ignore[assignment]
         self.grad_clip = check.grad_clip(grad_clip)
@@ -137,6 +138,8 @@ class BaseTrainer:
         # With several ranks: agree before every backward whether some rank's loss is None (one
         # small host all-reduce per micro-batch), so one rank may skip alone; see trainfsm.agreement.
         self.loss_none_agreement = check.boolean("loss_none_agreement", loss_none_agreement)
+        # How the audit trail writes routine steps: "compact" runs of them, or "full" transitions.
+        self.trail_form = check.trail_form(trail_form)
         #: Micro-batches this rank skipped for loss=None in this launch (with loss_none_agreement,
         #: also those another rank returned None for): checkpoints compare the ranks' counts.
         self.loss_none_skips = 0
@@ -267,6 +270,7 @@ class BaseTrainer:
             attempt=self.attempt,
             progress=lambda: (self.step, self.state),
             owner=self,
+            form=self.trail_form,
         )
         self.audit = self._events.log
         self._exit_errors: list[BaseException] = []
@@ -280,6 +284,11 @@ class BaseTrainer:
             slurm=self.slurm.as_event() if self.slurm else None,
             signals=signals_at_start,
             torchelastic=_torchelastic(),
+            trail={
+                "form": self.trail_form,
+                "flush_seconds": FLUSH_SECONDS,
+                "segment_bytes": self._events.segment_bytes,
+            },
             versions={"trainfsm": _version(), "torch": torch.__version__, "python": platform.python_version()},
             config={
                 "grad_clip": self.grad_clip,

@@ -50,6 +50,17 @@ def mixed_precision(value: Any) -> str | None:
     return value
 
 
+def trail_form(value: Any) -> str:
+    from trainfsm.events import TRAIL_FORMS
+
+    if not isinstance(value, str) or value not in TRAIL_FORMS:
+        raise ValueError(
+            f"trail_form must be one of {', '.join(map(repr, TRAIL_FORMS))}; got {value!r}. 'compact' writes "
+            f"runs of routine steps as one record each, 'full' every transition (for debugging the trail)."
+        )
+    return value
+
+
 def workspace(value: Any) -> Path | None:
     if value is None:
         return None

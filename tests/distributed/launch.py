@@ -10,7 +10,6 @@ test leaves no process behind.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -178,14 +177,12 @@ def run_command(argv: Sequence[str], timeout: float, env: Mapping[str, str] | No
 # ---------------------------------------------------------------- audit trails
 def events(workspace: Path, rank: int) -> list[dict[str, Any]]:
     """Rank ``rank``'s trail; a line cut off by a kill is skipped."""
-    path = workspace / "logs" / f"events.rank{rank}.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    from trainfsm.trail import TrailError, read_events  # a line cut off by a kill is skipped
+
+    try:
+        return list(read_events(workspace, rank))
+    except TrailError:  # no trail yet
+        return []
 
 
 def summary(trail: Iterable[Mapping[str, Any]], attempt: int | None = None) -> dict[str, Any]:

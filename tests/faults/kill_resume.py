@@ -15,7 +15,6 @@ prints one line per trial and ends with "N passed, N failed"; the exit status is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -84,14 +83,9 @@ def _launch(workspace: Path, out: Path, slow: float) -> subprocess.Popen[bytes]:
 
 
 def _events(workspace: Path) -> list[dict[str, Any]]:
-    path = workspace / "logs" / "events.rank0.jsonl"
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:  # the last line of a killed writer may be cut off
-            continue
-    return events
+    from trainfsm.trail import read_events  # tolerates the cut-off last line of a killed writer
+
+    return list(read_events(workspace))
 
 
 def _last_step(workspace: Path) -> int:

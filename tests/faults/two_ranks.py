@@ -76,8 +76,12 @@ def _free_port() -> int:
 
 
 def events(workspace: Path, rank: int) -> list[dict[str, Any]]:
-    path = workspace / "logs" / f"events.rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    from trainfsm.trail import TrailError, read_events
+
+    try:
+        return list(read_events(workspace, rank))
+    except TrailError:  # no trail yet
+        return []
 
 
 def scenario(workspace: Path, timeout: float = 90.0, agree: bool = False, fsdp_async: bool = False) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+from trainfsm.trail import TrailError, read_events
 
 if TYPE_CHECKING:
     from tests.slurm.conftest import SlurmCluster
@@ -24,8 +25,10 @@ ARGS = ("--steps", "60", "--interval", "25", "--step-seconds", "0.05")
 
 
 def events(workspace: Path) -> list[dict[str, Any]]:
-    path = workspace / "logs" / "events.rank0.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    try:
+        return list(read_events(workspace))
+    except TrailError:  # no trail yet
+        return []
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:
@@ -165,9 +168,7 @@ def test_a_torchrun_job_signalled_as_the_guide_says_is_requeued_and_resumes_exac
 
     agreed = set()
     for rank in (0, 1):
-        trail = [
-            json.loads(line) for line in (workspace / "logs" / f"events.rank{rank}.jsonl").read_text().splitlines()
-        ]
+        trail = list(read_events(workspace, rank))
         first = [e for e in trail if e["attempt"] == 0]
         second = [e for e in trail if e["attempt"] == 1]
         assert next(e for e in first if e["event"] == "signal_received")["signal"] == "SIGUSR1"
