@@ -360,7 +360,10 @@ class EventLog:
             self._rotate()
 
     def _flushed(self) -> None:
+        """A decision event was written and flushed."""
         self._last_write = time.time()
+        if self._file is not None and self._file.tell() >= self.segment_bytes:
+            self._rotate()
 
     def _rotate(self) -> None:
         """Close the full file as the next segment, compress it on a thread, write on in a new one."""
