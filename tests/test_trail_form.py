@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import EVENTS_FILE, TinyTrainer, make_batches, outline, trail_events, transitions_of
+from tests.helpers import EVENTS_FILE, TinyTrainer, make_batches, outline, trail_events
 from trainfsm import CheckpointingHook, events, segments
 from trainfsm.audit import audit
 from trainfsm.trail import expand_steps

@@ -3,6 +3,7 @@ the truth about how a process ended). Real processes, real SIGKILL: ``tests/faul
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,10 +33,8 @@ def lag_trials(tmp_path: Path, *args: str) -> dict[str, Any]:
         try:
             process.wait(timeout=400)
         finally:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             process.wait()
     assert process.returncode in (0, 1), (tmp_path / "err.txt").read_text()[-3000:]
     return json.loads(out.read_text())
