@@ -78,12 +78,15 @@ which gather all ranks.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 from trainfsm import machine as fsm
+from trainfsm import segments
 from trainfsm.events import EXIT_REASONS
 from trainfsm.trail import Note, Record, Trail, TrailError, open_trail, read_records
 
@@ -524,22 +527,75 @@ class AuditReport:
         return json.dumps(self.as_dict(), indent=2)
 
 
-def audit(inputs: Iterable[Path]) -> AuditReport:
-    """Replay the trail of ``inputs`` (run directories and/or event files). ``TrailError`` when unreadable."""
-    return audit_trail(open_trail(inputs))
+def audit(inputs: Iterable[Path], jobs: int | None = None) -> AuditReport:
+    """Replay the trail of ``inputs`` (run directories and/or event files). ``TrailError`` when
+    unreadable. ``jobs``: processes replaying rank files side by side (default: one per core)."""
+    return audit_trail(open_trail(inputs), jobs=jobs)
 
 
-def audit_trail(trail: Trail, observe: Callable[[Record], None] | None = None) -> AuditReport:
+#: Below this many bytes of trail, starting worker processes costs more than it saves.
+PARALLEL_BYTES: Final = 32 << 20
+
+
+def audit_trail(trail: Trail, observe: Callable[[Record], None] | None = None, jobs: int | None = None) -> AuditReport:
     """The replay proper; ``observe`` also sees every record (``trace`` collects its tails there,
-    so the trail is read once)."""
+    so the trail is read once).
+
+    Each rank's file is replayed on its own (a rank's attempts are all in its file), so files are
+    spread over ``jobs`` worker processes when the trail is large and nobody observes; what each
+    returns is merged in file order, so the report is the same either way.
+    """
+    jobs = _jobs(jobs, trail) if observe is None else 1
+    if jobs > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            parts = list(pool.map(_replay_alone, trail.files, chunksize=max(1, len(trail.files) // (jobs * 8))))
+    else:
+        parts = [_replay_alone(path, observe) for path in trail.files]
     problems: list[Problem] = []
     replays: dict[tuple[int, int], _Replay] = {}
-    files = [_replay_file(path, trail.notes, replays, problems, observe) for path in trail.files]
+    files = []
+    for path, (summary, own, own_problems, notes) in zip(trail.files, parts, strict=True):
+        files.append(summary)
+        problems.extend(own_problems)
+        trail.notes.extend(notes)
+        for key, replay in own.items():
+            if key in replays:
+                raise TrailError(
+                    f"{path}: rank {key[1]}, attempt {key[0]} is also in {replays[key].origin}; pass one trail per rank"
+                )
+            replays[key] = replay
     attempts = _attempts(replays)
     for attempt in attempts:
         _check_attempt(attempt, problems, trail.notes)
     problems.sort(key=_problem_order)
     return AuditReport(files, attempts, problems, trail.notes)
+
+
+def _jobs(jobs: int | None, trail: Trail) -> int:
+    if jobs is not None:
+        if jobs < 1:
+            raise ValueError(f"jobs must be a positive number of processes; got {jobs}")
+        return min(jobs, len(trail.files))
+    if len(trail.files) < 2 or sum(p.stat().st_size for f in trail.files for p in _parts_of(f)) < PARALLEL_BYTES:
+        return 1
+    return min(len(trail.files), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+
+
+def _parts_of(path: Path) -> list[Path]:
+    return [p for p in (*segments.closed_segments(path), path) if p.exists()]
+
+
+def _replay_alone(
+    path: Path, observe: Callable[[Record], None] | None = None
+) -> tuple[dict[str, Any], dict[tuple[int, int], _Replay], list[Problem], list[Note]]:
+    """One file's replays, problems and notes, on their own (in a worker process, or here)."""
+    problems: list[Problem] = []
+    notes: list[Note] = []
+    replays: dict[tuple[int, int], _Replay] = {}
+    summary = _replay_file(path, notes, replays, problems, observe)
+    for replay in replays.values():
+        replay.problems = []  # they are in ``problems``: not sent back twice
+    return summary, replays, problems, notes
 
 
 def _replay_file(

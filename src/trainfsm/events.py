@@ -61,10 +61,10 @@ READABLE_FORMATS: Final = (1, 2)
 EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "run_start": ("format", "versions", "world_size", "max_steps", "config", "signals", "torchelastic", "trail"),
     "transition": ("trigger", "source", "dest"),
-    # Routine steps first..step (``step`` is the last), each ``micro`` micro-batches long: the first
-    # began at ``t0``, ``dt`` is each step's end minus the previous one's (the first's: minus t0)
-    # in integer microseconds, and ``ts`` the last step's end.
-    "steps": ("first", "micro", "t0", "dt"),
+    # Routine steps first..step (``step`` is the last), each ``micro`` micro-batches long: ``ts`` is
+    # the last step's end, ``dt`` each step's duration in integer microseconds (from the previous
+    # step's end; the first's from its own start, which is ``ts`` less the sum of ``dt``).
+    "steps": ("first", "micro", "dt"),
     "restore": ("resumed", "from_step"),
     "epoch": ("epoch",),
     "data_resumed": ("mode", "why", "epoch", "batches", "positioned", "seconds"),
@@ -151,12 +151,12 @@ class _NullSink:
 class _Run:
     """Consecutive routine steps first..last of ``micro`` micro-batches, not yet written."""
 
-    __slots__ = ("dt", "first", "last", "micro", "prev", "t0")
+    __slots__ = ("dt", "first", "last", "micro", "prev")
 
-    def __init__(self, step: int, micro: int, t0: float, end: float) -> None:
+    def __init__(self, step: int, micro: int, start: float, end: float) -> None:
         self.first = self.last = step
-        self.micro, self.t0, self.prev = micro, t0, end
-        self.dt = [round((end - t0) * 1e6)]
+        self.micro, self.prev = micro, end
+        self.dt = [round((end - start) * 1e6)]
 
 
 class EventLog:
@@ -182,8 +182,10 @@ class EventLog:
         owner: Any = None,
         form: str = "compact",
         segment_bytes: int | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.path = path
+        self._clock = clock  # wall time; benchmarks/trail.py simulates week-long runs with its own
         self.console = console
         self.form = form
         self._common = {"rank": rank, "run_id": run_id, "attempt": attempt}
@@ -200,7 +202,7 @@ class EventLog:
         self._pending: list[tuple[float, int, tuple[str, str, str]] | bytes] = []
         self._step_rows: list[tuple[float, int, tuple[str, str, str]]] = []  # the routine step in flight
         self._run: _Run | None = None
-        self._last_write = time.time()
+        self._last_write = clock()
         # People watching transitions on the console see them as they happen.
         self._batch = 1 if self._console_debug else BATCH
         processors: list[Any] = [self._drain_first, self._add_progress, self._to_console]
@@ -227,7 +229,7 @@ class EventLog:
                 return self._routine_recorder(_START if row == _START else _NEXT)
             if row == _END:
                 return self._routine_end
-        pending, append, clock, owner = self._pending, self._pending.append, time.time, self._owner
+        pending, append, clock, owner = self._pending, self._pending.append, self._clock, self._owner
         batch = self._batch
 
         def record() -> None:
@@ -243,7 +245,7 @@ class EventLog:
         return record
 
     def _routine_recorder(self, row: tuple[str, str, str]) -> Callable[[], None]:
-        append, clock, owner = self._step_rows.append, time.time, self._owner
+        append, clock, owner = self._step_rows.append, self._clock, self._owner
         if self._console_debug:  # people watching see each transition as it happens
 
             def record_and_show() -> None:
@@ -264,7 +266,7 @@ class EventLog:
 
     def _routine_end(self) -> None:
         """A step left ACCUMULATE by ``stepped``: fold it into the open run if it was routine."""
-        now = time.time()
+        now = self._clock()
         step = self._owner.step
         if self._console_debug:
             self._show(now, step, _END)
@@ -307,7 +309,6 @@ class EventLog:
                 "state": _END[2],
                 "first": run.first,
                 "micro": run.micro,
-                "t0": run.t0,
                 "dt": run.dt,
             }
         )
@@ -351,7 +352,7 @@ class EventLog:
     def write_out(self) -> None:
         """Drain and flush to the file (the bound on what a SIGKILL loses); rotate when it is full."""
         self.drain()
-        self._last_write = time.time()
+        self._last_write = self._clock()
         file = self._file
         if file is None:
             return
@@ -361,7 +362,7 @@ class EventLog:
 
     def _flushed(self) -> None:
         """A decision event was written and flushed."""
-        self._last_write = time.time()
+        self._last_write = self._clock()
         if self._file is not None and self._file.tell() >= self.segment_bytes:
             self._rotate()
 
@@ -397,7 +398,7 @@ class EventLog:
 
     def _add_progress(self, _: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         if "ts" not in event:
-            event["ts"] = time.time()
+            event["ts"] = self._clock()
             event["step"], event["state"] = self._progress()
         return event
 

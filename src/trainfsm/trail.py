@@ -166,8 +166,6 @@ def read_records(path: Path, notes: list[Note]) -> Iterator[Record]:
         with handle:
             try:
                 for number, raw in enumerate(handle, 1):
-                    if not raw.strip():
-                        continue
                     data = _parse(raw, file, number, notes)
                     if data is None:
                         continue
@@ -202,12 +200,13 @@ def read_events(path: Path | str, rank: int = 0, *, expand: bool = True) -> Iter
 def expand_steps(data: dict[str, Any]) -> list[dict[str, Any]]:
     """The transitions a ``steps`` record stands for, as the full form writes them.
 
-    Times: a step's first transition gets the previous step's end (``t0`` for the first step), its
-    further micro-batches the same time (the record does not keep them), and ``stepped`` its end.
+    Times: a step's first transition gets the previous step's end (the first step: ``ts`` less
+    the sum of ``dt``), its further micro-batches the same time (the record does not keep them),
+    and ``stepped`` its end.
     """
     common = {key: data[key] for key in ("rank", "run_id", "attempt") if key in data}
     out: list[dict[str, Any]] = []
-    begin = float(data["t0"])
+    begin = float(data["ts"]) - sum(data["dt"]) / 1e6
     end = begin
     for offset, micros in enumerate(data["dt"]):
         step = data["first"] + offset
@@ -235,11 +234,14 @@ def _transition(ts: float, step: int, trigger: str, source: str, dest: str, comm
 
 
 def _parse(raw: bytes, file: str, number: int, notes: list[Note]) -> dict[str, Any] | None:
-    """One line's event; None for a tolerated cut-off last line; TrailError for anything else."""
-    where = f"{file}:{number}"
+    """One line's event; None for a blank or tolerated cut-off last line; TrailError for anything
+    else. This runs for every line: nothing is formatted unless the line is bad."""
     try:
         data = _loads(raw)
     except _DECODE_ERRORS:
+        if not raw.strip():
+            return None
+        where = f"{file}:{number}"
         if not raw.endswith(b"\n"):  # only the last line can lack its newline: a killed writer
             notes.append(Note("the last line is cut off (the writer was killed mid-line); ignored", file, number))
             return None
@@ -254,7 +256,7 @@ def _parse(raw: bytes, file: str, number: int, notes: list[Note]) -> dict[str, A
                 number,
             )
         )
-    _check_event(data, where)
+    _check_event(data, file, number)
     return data  # type: ignore[no-any-return]
 
 
@@ -274,31 +276,41 @@ def _after_cut(raw: bytes) -> dict[str, Any] | None:
     return None
 
 
-def _check_event(data: Any, where: str) -> None:
+def _check_event(data: Any, file: str, number: int) -> None:
     if not _looks_like_event(data):
-        _explain_not_an_event(data, where)
+        _explain_not_an_event(data, f"{file}:{number}")
     event = data["event"]
-    if event == "transition":
+    if event == "steps":
+        _check_steps(data, file, number)
+    elif event == "transition":
         if not (type(data.get("trigger")) is str and type(data.get("source")) is str and type(data.get("dest")) is str):
             missing = next(name for name in TRANSITION_FIELDS if not isinstance(data.get(name), str))
-            raise TrailError(f"{where}: a transition without {missing!r}")
-    elif event == "steps":
-        _check_steps(data, where)
+            raise TrailError(f"{file}:{number}: a transition without {missing!r}")
     elif event == "run_start" and data.get("format") not in READABLE_FORMATS:
+        where = f"{file}:{number}"
         raise TrailError(
             f"{where}: events of format {data.get('format')!r}; this trainfsm reads formats "
             f"{', '.join(map(str, READABLE_FORMATS))} (it writes {FORMAT_VERSION}; a trail of a newer trainfsm?)"
         )
 
 
-def _check_steps(data: dict[str, Any], where: str) -> None:
+def _check_steps(data: dict[str, Any], file: str, number: int) -> None:
     first, micro, dt = data.get("first"), data.get("micro"), data.get("dt")
-    if not (type(first) is int and type(micro) is int and micro >= 1 and type(data.get("t0")) in _NUMBERS):
-        raise TrailError(f"{where}: a steps record needs integer 'first', 'micro' >= 1 and a number 't0'")
-    if not (isinstance(dt, list) and len(dt) == data["step"] - first + 1 and all(type(d) is int for d in dt)):
+    if not (type(first) is int and type(micro) is int and micro >= 1):
+        raise TrailError(f"{file}:{number}: a steps record needs integer 'first' and 'micro' >= 1")
+    # sum() in C: an int only if every duration is one (a float or a string would show)
+    if not (type(dt) is list and len(dt) == data["step"] - first + 1 and _int_sum(dt)):
         raise TrailError(
-            f"{where}: a steps record of steps {first}-{data['step']} needs one integer duration per step in 'dt'"
+            f"{file}:{number}: a steps record of steps {first}-{data['step']} needs one integer duration per "
+            f"step in 'dt'"
         )
+
+
+def _int_sum(values: list[Any]) -> bool:
+    try:
+        return type(sum(values)) is int
+    except TypeError:
+        return False
 
 
 def _looks_like_event(data: Any) -> bool:
