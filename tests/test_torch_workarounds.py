@@ -9,6 +9,8 @@ names of its own threads. Where trainfsm comes too late to help, a trainer's BUI
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +23,19 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 SCRIPT = """
 import gc, json, os, sys
+if sys.argv[1] in ("first-use", "init_distributed"):
+    import trainfsm  # before torch: imports none of it
+if sys.argv[1] == "first-use":
+    trainfsm.CheckpointingHook
 import torch
 if sys.argv[1] == "before":
     import trainfsm
 import torch.distributed as dist
-dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+if sys.argv[1] == "init_distributed":
+    from trainfsm.distributed import init_distributed
+    init_distributed("gloo")
+else:
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
 if sys.argv[1] == "after":
     import trainfsm
 torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
@@ -35,12 +45,13 @@ print(json.dumps(sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t i
 """
 
 
-def threads_after_destroy(tmp_path: Path, when: str) -> list[str]:
+def threads_after_destroy(tmp_path: Path, when: str, env: dict[str, str] | None = None) -> list[str]:
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, when, str(tmp_path / "store")],
         capture_output=True,
         text=True,
         timeout=120,
+        env=None if env is None else {**os.environ, **env},
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
@@ -52,6 +63,19 @@ def gloo_threads(names: list[str]) -> list[str]:
 
 def test_a_group_created_after_import_trainfsm_ends_its_threads_at_destroy(tmp_path: Path) -> None:
     assert gloo_threads(threads_after_destroy(tmp_path, "before")) == []
+
+
+def test_a_group_created_after_the_first_use_of_a_trainfsm_name_ends_its_threads(tmp_path: Path) -> None:
+    """``import trainfsm`` before torch imports no torch; the first name used from it does the import."""
+    assert gloo_threads(threads_after_destroy(tmp_path, "first-use")) == []
+
+
+def test_a_group_created_by_init_distributed_ends_its_threads_at_destroy(tmp_path: Path) -> None:
+    with socket.socket() as probe:  # a free port for the one-rank TCP store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    assert gloo_threads(threads_after_destroy(tmp_path, "init_distributed", env)) == []
 
 
 def test_torch_still_keeps_a_group_alive_that_existed_before_the_first_optimizer(tmp_path: Path) -> None:

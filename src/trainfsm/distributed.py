@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from trainfsm.torch_workarounds import import_collectives_before_any_group
+
 
 @dataclass(frozen=True, slots=True)
 class DistEnv:
@@ -79,6 +81,7 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(layout.local_rank)
+    import_collectives_before_any_group()  # now or never: the group exists from the next line (see there)
     restart = elastic_restart()
     if restart is None:  # srun, or RANK/WORLD_SIZE set by hand: rank 0 hosts the store
         dist.init_process_group(

@@ -13,9 +13,13 @@ about one in eight two-rank runs here, torch 2.13). Under torchrun or srun that 
 failed.
 
 Importing the module before any group exists makes those defaults None (the default group at
-call time), so nothing holds the group. ``import trainfsm`` does that: scripts import it at the
-top, before they create their group. Costs about 0.08 s once. A script that creates its group
-before importing trainfsm is told in BUILD (``GroupOutlivesDestroyWarning``, and the
+call time), so nothing holds the group. trainfsm does that wherever its torch side is first
+imported, which scripts do at the top, before they create their group: ``import trainfsm`` after
+``import torch`` (the order isort gives), the first use of a name from it (``from trainfsm import
+BaseTrainer``), importing ``trainfsm.trainer``, and ``trainfsm.distributed.init_distributed`` just
+before it creates the group. ``import trainfsm`` alone, before torch, imports no torch (the offline
+commands start in a fraction of a second for it). Costs about 0.08 s once. A script that creates
+its group before any of those is told in BUILD (``GroupOutlivesDestroyWarning``, and the
 ``group_outlives_destroy`` event), since it can no longer be helped from here. Checked by
 ``tests/test_torch_workarounds.py``, which also shows when torch stops capturing the group (then
 this can go).
@@ -35,8 +39,9 @@ GROUP_KEPT_ALIVE = (
     "torch.distributed.nn.functional was imported after the default process group was created, and "
     "its default arguments now hold the group: destroy_process_group() will not free it, and gloo's "
     "threads can abort the process at exit (code 134, 'terminate called without an active exception') "
-    "after a clean run. Import trainfsm before init_process_group (at the top of the script), or "
-    "import torch.distributed.nn.functional yourself before creating the group."
+    "after a clean run. Import trainfsm before init_process_group (at the top of the script, after "
+    "`import torch`, or as `from trainfsm import BaseTrainer`), or import torch.distributed.nn.functional "
+    "yourself before creating the group."
 )
 
 

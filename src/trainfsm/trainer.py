@@ -46,8 +46,15 @@ from trainfsm.signals import (
     state_at_start,
 )
 from trainfsm.step import Stepper, close_iterator
-from trainfsm.torch_workarounds import GROUP_KEPT_ALIVE, GroupOutlivesDestroyWarning, default_group_kept_alive
+from trainfsm.torch_workarounds import (
+    GROUP_KEPT_ALIVE,
+    GroupOutlivesDestroyWarning,
+    default_group_kept_alive,
+    import_collectives_before_any_group,
+)
 from trainfsm.utils import is_distributed_wrapper, unwrap, user_stacklevel
+
+import_collectives_before_any_group()  # a script imports us before it creates its group (see there)
 
 #: What ``_next_batch`` returns once ``max_epochs`` epochs of data are used up.
 _EXHAUSTED: Final = object()
