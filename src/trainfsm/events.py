@@ -199,7 +199,8 @@ class EventLog:
         self._progress = progress
         self._owner = owner  # has ``.step`` (the trainer): read directly on the per-step path
         self._console_debug = console.isEnabledFor(logging.DEBUG)
-        self._pending: list[tuple[float, int, tuple[str, str, str]] | bytes] = []
+        # Rendered ``steps`` records (bytes) and verbatim transitions (ts, step, row[, shown]).
+        self._pending: list[tuple[Any, ...] | bytes] = []
         self._step_rows: list[tuple[float, int, tuple[str, str, str]]] = []  # the routine step in flight
         self._run: _Run | None = None
         self._last_write = clock()
@@ -294,7 +295,7 @@ class EventLog:
             self._run = None
         if self._step_rows:
             if self._console_debug:  # shown as they happened: not again
-                self._pending.extend((*row, True) for row in self._step_rows)  # type: ignore[misc]
+                self._pending.extend((*row, True) for row in self._step_rows)
             else:
                 self._pending.extend(self._step_rows)
             self._step_rows.clear()
@@ -326,13 +327,14 @@ class EventLog:
         show = self._console_debug
         common = self._common
         for item in pending:
-            if type(item) is bytes:
+            if isinstance(item, bytes):
                 if write is not None:
                     write(item)
                 continue
-            ts, step, (trigger, source, dest) = item[0], item[1], item[2]  # type: ignore[index,misc]
+            ts, step, row = item[0], item[1], item[2]  # (ts, step, row) or (ts, step, row, shown)
+            trigger, source, dest = row
             if show and len(item) == 3:
-                self._show(ts, step, item[2])  # type: ignore[index,arg-type]
+                self._show(ts, step, row)
             if write is not None:
                 write(
                     _dumps(

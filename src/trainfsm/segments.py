@@ -92,7 +92,7 @@ def segment_path(active: Path, number: int) -> Path:
 def open_segment(path: Path) -> IO[bytes]:
     """A trail file for reading, decompressed if it is a ``.gz`` segment."""
     if path.name.endswith(COMPRESSED):
-        return gzip.open(path, "rb")
+        return gzip.open(path, "rb")  # type: ignore[return-value]
     return open(path, "rb")
 
 

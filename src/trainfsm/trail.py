@@ -211,7 +211,7 @@ def expand_steps(data: dict[str, Any]) -> list[dict[str, Any]]:
     the sum of ``dt``), its further micro-batches the same time (the record does not keep them),
     and ``stepped`` its end.
     """
-    common = {key: data[key] for key in ("rank", "run_id", "attempt") if key in data}
+    common: dict[str, Any] = {key: data[key] for key in ("rank", "run_id", "attempt") if key in data}
     out: list[dict[str, Any]] = []
     begin = float(data["ts"]) - sum(data["dt"]) / 1e6
     end = begin
