@@ -186,3 +186,28 @@ def test_a_kill_right_after_rotating_leaves_the_attempt_count_in_the_last_segmen
     resumed = [e for e in trail_events(tmp_path) if e["event"] == "run_start"]
     assert [e["attempt"] for e in resumed] == [0, 1]
     assert len({e["run_id"] for e in resumed}) == 1
+
+
+# ---------------------------------------------------------------- older trails
+FORMAT_1 = Path(__file__).parent / "data" / "format1"  # written by trainfsm before steps records
+
+
+def test_a_format_1_trail_is_still_read_and_audited() -> None:
+    assert all(e["event"] != "steps" for e in trail_events(FORMAT_1))
+    report = audit([FORMAT_1])
+    assert report.consistent, report.problems
+    [attempt] = report.attempts
+    assert (attempt.first.steps_done, attempt.first.micro_batches) == (6, 14)
+    assert [r["step"] for r in attempt.first.retries] == [2]
+
+
+def test_a_run_begun_in_format_1_and_continued_in_format_2_reads_as_one_trail(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    (tmp_path / EVENTS_FILE).write_bytes((FORMAT_1 / "logs" / "events.rank0.jsonl").read_bytes())
+    train(tmp_path, 6)
+    starts = [e for e in trail_events(tmp_path) if e["event"] == "run_start"]
+    assert [(e["format"], e["attempt"]) for e in starts] == [(1, 0), (2, 1)]
+    assert len({e["run_id"] for e in starts}) == 1
+    assert any(e["event"] == "steps" for e in raw_lines(tmp_path))
+    report = audit([tmp_path])
+    assert report.consistent and [a.first.steps_done for a in report.attempts] == [6, 6]
