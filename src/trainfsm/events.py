@@ -84,7 +84,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "exit": ("reason", "code"),
 }
 
-EXIT_REASONS: Final = ("completed", "preempted", "failed", "stopped")
+EXIT_REASONS: Final = ("completed", "preempted", "failed", "stopped", "interrupted")
 
 #: Transitions rendered per batch. Rendering them in a burst keeps structlog's objects in cache;
 #: one at a time between a step's kernels, each costs several times more.
