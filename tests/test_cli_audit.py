@@ -8,6 +8,7 @@ rank, so only what a test is about differs from what the trainer writes.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.cli_helpers import (
+    SignalAtStep,
     audit_json,
     cli,
     index_of,
@@ -28,8 +30,9 @@ from tests.cli_helpers import (
     trail,
     write_lines,
 )
-from tests.helpers import make_batches
-from trainfsm.audit import PROBLEM_KINDS, SCHEMA
+from tests.helpers import TinyTrainer, make_batches
+from trainfsm import CheckpointingHook
+from trainfsm.audit import PROBLEM_KINDS, RUN_PROBLEM_KINDS, SCHEMA
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +67,10 @@ def test_the_text_report_says_what_happened(tmp_path: Path, capsys: pytest.Captu
     assert "steps 1-4: 4 done, 4 micro-batches, retries: none" in out
     assert "checkpoints: saved 2, 4" in out
     assert "exit: completed, code 0" in out
-    assert out.rstrip().endswith("every attempt exited")
+    assert out.rstrip().splitlines()[-2:] == [
+        "consistent: every transition is a row of the machine, steps follow on, the ranks agree",
+        "run ended well: attempt 0 completed (exit code 0)",
+    ]
 
 
 def test_non_finite_retries_and_loss_none_are_counted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -104,13 +110,14 @@ def test_a_preempted_run_and_its_resume_are_consistent(tmp_path: Path, capsys: p
     assert second["exit"] == {"reason": "completed", "code": 0}
 
 
-def test_a_failed_run_is_consistent_and_its_exception_is_reported(
+def test_a_failed_run_that_was_resumed_is_consistent_and_ended_well(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run(tmp_path, steps=6, interval=2, script={5: ValueError("boom")})
     run(tmp_path, steps=6, interval=2)
     code, report = audit_json(capsys, tmp_path)
     assert code == 0, report["problems"]
+    assert report["ended_well"] and report["run_problems"] == []
     failed, resumed = report["attempts"]
     assert failed["exit"] == {"reason": "failed", "code": 1}
     assert [(e["type"], e["message"]) for e in failed["exceptions"]] == [("ValueError", "boom")]
@@ -122,13 +129,15 @@ def test_json_schema_is_the_documented_one(tmp_path: Path, capsys: pytest.Captur
     run(tmp_path, steps=2, interval=1)
     _, report = audit_json(capsys, tmp_path)
     assert report["schema"] == SCHEMA == "trainfsm.audit/1"
-    assert set(report) == {"schema", "consistent", "files", "attempts", "problems", "notes"}
+    assert set(report) == {
+        "schema", "consistent", "ended_well", "files", "attempts", "problems", "run_problems", "notes",
+    }  # fmt: skip
     (attempt,) = report["attempts"]
     assert set(attempt) == {
         "attempt", "ranks", "start", "resumed_from_step", "first_step", "last_step", "steps_done",
         "micro_batches", "loss_none", "retries", "scaler_skips", "checkpoint_steps", "checkpoints",
-        "signals", "exceptions", "requeue", "exit", "ended", "torchelastic", "killed", "end", "started_at",
-        "ended_at", "per_rank",
+        "signals", "exceptions", "requeue", "exit", "ended", "torchelastic", "killed", "killed_at", "end",
+        "started_at", "ended_at", "per_rank",
     }  # fmt: skip
     assert set(attempt["checkpoints"]) == {"saved", "loaded", "skipped", "failed"}
     assert set(attempt["checkpoints"]["saved"][0]) == {"step", "path", "kept", "asynchronous", "bytes"}
@@ -156,11 +165,11 @@ def test_a_real_two_rank_preemption_is_consistent(tmp_path: Path, capsys: pytest
     assert [r["exit"] for r in attempt["per_rank"]] == [{"reason": "preempted", "code": 138}] * 2
 
 
-def test_a_real_sigkill_is_a_missing_exit_and_nothing_else(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Killed with SIGKILL mid-training (its last batch of transitions may be lost), then restarted."""
+def _killed_in_training(workspace: Path, out: Path) -> None:
+    """Launch the kill_resume script and SIGKILL it a little after RESTORE (its last batch of
+    transitions may be lost)."""
     from tests.faults.kill_resume import _count, _launch
 
-    workspace, out = tmp_path / "ws", tmp_path / "out.pt"
     process = _launch(workspace, out, slow=0.0)
     deadline = time.monotonic() + 120
     while process.poll() is None and _count(workspace, "restore") == 0 and time.monotonic() < deadline:
@@ -168,16 +177,95 @@ def test_a_real_sigkill_is_a_missing_exit_and_nothing_else(tmp_path: Path, capsy
     time.sleep(0.25)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+
+
+def test_a_real_sigkill_not_resumed_is_a_run_problem_at_its_last_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workspace = tmp_path / "ws"
+    _killed_in_training(workspace, tmp_path / "out.pt")
+    code, report = audit_json(capsys, workspace)
+    assert code == 1 and report["consistent"] and not report["ended_well"], report["problems"]
+    last = read_lines(trail(workspace))[-1]
+    (killed,) = report["attempts"][0]["killed_at"]
+    assert (killed["line"], killed["state"], killed["step"], killed["ts"]) == (
+        len(read_lines(trail(workspace))), last["state"], last["step"], last["ts"],
+    )  # fmt: skip
+    assert killed["since_previous"] == last["ts"] - read_lines(trail(workspace))[-2]["ts"]
+    assert [(p["kind"], p["rank"], p["attempt"], p["line"]) for p in report["run_problems"]] == [
+        ("killed", 0, 0, killed["line"])
+    ]
+    assert f"ends in {last['state']} at step {last['step']}" in report["run_problems"][0]["message"]
+    code, out, _ = cli(capsys, "audit", workspace)
+    assert code == 1 and out.rstrip().splitlines()[-1] == "run problems: killed"
+    assert f"killed at its last record ({trail(workspace)}:{killed['line']})" in out
+
+
+def test_a_real_sigkill_then_a_resume_is_consistent_and_ended_well(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.faults.kill_resume import _launch
+
+    workspace, out = tmp_path / "ws", tmp_path / "out.pt"
+    _killed_in_training(workspace, out)
     finished = _launch(workspace, out, slow=0.0)
     _, err = finished.communicate(timeout=300)
     assert finished.returncode == 0, err.decode()
     code, report = audit_json(capsys, workspace)
-    assert code == 1
-    assert [(p["kind"], p["attempt"]) for p in report["problems"]] == [("missing_exit", 0)]
-    assert "killed?" in report["problems"][0]["message"]
+    assert code == 0 and report["problems"] == [] and report["run_problems"] == [] and report["ended_well"]
     killed, finished_attempt = report["attempts"]
-    assert killed["killed"] and killed["exit"] is None
+    assert killed["killed"] and killed["exit"] is None and [k["rank"] for k in killed["killed_at"]] == [0]
     assert finished_attempt["exit"] == {"reason": "completed", "code": 0} and finished_attempt["last_step"] == 40
+    assert finished_attempt["killed_at"] == []
+
+
+def test_a_failed_run_not_resumed_is_a_run_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(tmp_path, steps=6, interval=2, script={5: ValueError("boom")})
+    code, report = audit_json(capsys, tmp_path)
+    assert code == 1 and report["consistent"] and not report["ended_well"]
+    exit_line = index_of(read_lines(trail(tmp_path)), event="exit") + 1
+    assert [(p["kind"], p["attempt"], p["line"]) for p in report["run_problems"]] == [("failed", 0, exit_line)]
+    assert report["run_problems"][0]["message"] == (
+        "attempt 0 failed on rank 0 at step 5 (exit code 1): ValueError: boom; no later attempt"
+    )
+    code, out, _ = cli(capsys, "audit", tmp_path)
+    assert code == 1 and "\nrun problems:\n" in out and out.rstrip().endswith("\nrun problems: failed")
+    assert out.rstrip().splitlines()[-2].startswith("consistent: ")
+
+
+def test_a_refused_requeue_not_followed_by_an_attempt_is_a_run_problem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SLURM job submitted with --no-requeue: ``scontrol requeue`` fails, the job is gone. Here a
+    real preempted run with SLURM's variables and an ``scontrol`` on PATH that fails as SLURM's does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho 'scontrol: error: Requested operation is presently disabled' >&2\nexit 1\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    workspace = tmp_path / "run"
+    trainer = TinyTrainer(max_steps=6, workspace=workspace, hooks=[CheckpointingHook(interval=100), SignalAtStep(3)])
+    trainer.set_exit_signals([signal.SIGUSR1], requeue=True)
+    with pytest.raises(SystemExit) as info:
+        trainer.train()
+    events = read_lines(trail(workspace))
+    requeue = events[index_of(events, event="requeue")]
+    assert (requeue["ok"], requeue["command"]) == (False, "scontrol requeue 4242")
+    assert "presently disabled" in requeue["message"]
+    assert (events[-1]["event"], events[-1]["reason"], events[-1]["code"]) == ("exit", "preempted", info.value.code)
+    code, report = audit_json(capsys, workspace)
+    assert code == 1 and report["consistent"], report["problems"]
+    assert [(p["kind"], p["line"]) for p in report["run_problems"]] == [
+        ("requeue_refused", index_of(events, event="requeue") + 1)
+    ]
+    assert "presently disabled" in report["run_problems"][0]["message"]
+
+    run(workspace, steps=6, interval=100)  # resubmitted by hand: the run went on
+    code, report = audit_json(capsys, workspace)
+    assert code == 0 and report["run_problems"] == []
 
 
 # ------------------------------------------------------------------ edited trails are caught
@@ -226,7 +314,7 @@ def test_compact_steps_taken_from_another_state_are_illegal(
     path = write_lines(tmp_path / "events.rank0.jsonl", compact)
     code, report = audit_json(capsys, path)
     # The step did not advance either (that happens on entering STEP): a gap at the same line.
-    assert code == 1 and problems(report) == [("illegal_transition", path.name, i), ("gap", path.name, i)]
+    assert code == 3 and problems(report) == [("illegal_transition", path.name, i), ("gap", path.name, i)]
     assert (
         "micro: STEP -> ACCUMULATE (routine steps 5-7) taken while the machine was in CHECKPOINT"
         in (report["problems"][0]["message"])
@@ -240,7 +328,7 @@ def test_compact_steps_that_skip_a_step_are_a_gap(
     compact[i]["first"], compact[i]["dt"] = 2, compact[i]["dt"][1:]  # step 1 is not in the trail
     path = write_lines(tmp_path / "events.rank0.jsonl", compact)
     code, report = audit_json(capsys, path)
-    assert code == 1 and problems(report)[0] == ("gap", path.name, i + 1)
+    assert code == 3 and problems(report)[0] == ("gap", path.name, i + 1)
     assert report["problems"][0]["message"] == "step jumps from 1 to 2 (step 1 missing)"
 
 
@@ -251,7 +339,7 @@ def test_a_missing_compact_record_is_a_gap(
     del compact[i]  # steps 5-7: the next transition is written at step 8
     path = write_lines(tmp_path / "events.rank0.jsonl", compact)
     code, report = audit_json(capsys, path)
-    assert code == 1 and problems(report) == [("gap", path.name, i + 1)]
+    assert code == 3 and problems(report) == [("gap", path.name, i + 1)]
     assert report["problems"][0]["message"] == "step jumps from 5 to 8"
 
 
@@ -272,10 +360,27 @@ def test_a_transition_that_is_not_a_row_is_illegal(
     base[i]["trigger"] = "resume"  # resume goes CHECKPOINT -> STEP, never ACCUMULATE -> STEP
     path = write_lines(tmp_path / "events.rank0.jsonl", base)
     code, report = audit_json(capsys, path)
-    assert code == 1 and problems(report) == [("illegal_transition", path.name, i + 1)]
+    assert code == 3 and problems(report) == [("illegal_transition", path.name, i + 1)]
     assert "resume: ACCUMULATE -> STEP is not a row" in report["problems"][0]["message"]
+    assert report["ended_well"] and not report["consistent"]  # a completed run, but not as the machine allows
     code, out, _ = cli(capsys, "audit", path)
-    assert code == 1 and f"{path}:{i + 1}: [illegal_transition]" in out and "INCONSISTENT: 1 problem" in out
+    assert code == 3 and f"{path}:{i + 1}: [illegal_transition]" in out
+    assert out.rstrip().splitlines()[-2:] == [
+        "INCONSISTENT: 1 problem",
+        "run ended well: attempt 0 completed (exit code 0)",
+    ]
+
+
+def test_an_inconsistent_trail_of_a_failed_run_exits_3_not_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run(tmp_path / "real", steps=6, interval=2, script={5: ValueError("boom")}, trail_form="full")
+    events = read_lines(trail(tmp_path / "real"))
+    i = index_of(events, event="transition", trigger="stepped", step=3)
+    events[i]["trigger"] = "resume"
+    path = write_lines(tmp_path / "events.rank0.jsonl", events)
+    code, report = audit_json(capsys, path)
+    assert code == 3 and [p["kind"] for p in report["run_problems"]] == ["failed"]
 
 
 def test_a_transition_from_another_state_is_illegal(
@@ -285,7 +390,7 @@ def test_a_transition_from_another_state_is_illegal(
     del base[i]  # STEP -> ACCUMULATE is gone: "stepped" now leaves ACCUMULATE while the machine is in STEP
     path = write_lines(tmp_path / "events.rank0.jsonl", base)
     code, report = audit_json(capsys, path)
-    assert code == 1 and problems(report) == [("illegal_transition", path.name, i + 1)]
+    assert code == 3 and problems(report) == [("illegal_transition", path.name, i + 1)]
     assert "taken while the machine was in STEP" in report["problems"][0]["message"]
 
 
@@ -297,7 +402,7 @@ def test_a_missing_step_is_a_gap(
     del base[i : i + 2]  # all of step 3
     path = write_lines(tmp_path / "events.rank0.jsonl", base)
     code, report = audit_json(capsys, path)
-    assert code == 1 and problems(report) == [("gap", path.name, i + 1)]
+    assert code == 3 and problems(report) == [("gap", path.name, i + 1)]
     assert report["problems"][0]["message"] == "step jumps from 3 to 4 (step 3 missing)"
 
 
@@ -311,7 +416,7 @@ def test_a_resume_that_does_not_start_after_its_checkpoint_is_a_gap(
     events[i]["from_step"] = 2  # the restore event says 4
     path = write_lines(tmp_path / "events.rank0.jsonl", events)
     code, report = audit_json(capsys, path)
-    assert code == 1 and problems(report) == [("gap", path.name, i + 2)]  # at the restore event after it
+    assert code == 3 and problems(report) == [("gap", path.name, i + 2)]  # at the restore event after it
     assert "the checkpoint loaded was 2" in report["problems"][0]["message"]
 
 
@@ -322,7 +427,7 @@ def test_a_lost_transition_line_is_a_state_mismatch(
     del base[i]
     path = write_lines(tmp_path / "events.rank0.jsonl", base)
     code, report = audit_json(capsys, path)
-    assert code == 1 and problems(report) == [("state_mismatch", path.name, i + 1)]  # checkpoint_saved
+    assert code == 3 and problems(report) == [("state_mismatch", path.name, i + 1)]  # checkpoint_saved
     assert "written in CHECKPOINT, but the replay is in ACCUMULATE" in report["problems"][0]["message"]
 
 
@@ -354,7 +459,7 @@ def test_a_rank_that_stopped_a_step_early_disagrees(
     rank1_events = _as_rank(read_lines(trail(tmp_path / "short")), 1)
     rank1 = write_lines(tmp_path / "events.rank1.jsonl", rank1_events)
     code, report = audit_json(capsys, rank0, rank1)
-    assert code == 1
+    assert code == 3
     exit_line = len(rank1_events)
     assert problems(report) == [("rank_disagreement", rank1.name, exit_line)] * 2
     messages = [p["message"] for p in report["problems"]]
@@ -374,7 +479,7 @@ def test_a_rank_that_skipped_a_micro_batch_alone_disagrees(
     rank1_events = _as_rank(read_lines(trail(tmp_path / "skip")), 1)
     write_lines(tmp_path / "run" / "logs" / "events.rank1.jsonl", rank1_events)
     code, report = audit_json(capsys, tmp_path / "run")
-    assert code == 1 and problems(report) == [("rank_disagreement", "events.rank1.jsonl", len(rank1_events))]
+    assert code == 3 and problems(report) == [("rank_disagreement", "events.rank1.jsonl", len(rank1_events))]
     message = report["problems"][0]["message"]
     assert message == "attempt 0: loss=None micro-batches: rank 0 none, rank 1 ['step 4 micro 0']"
 
@@ -396,11 +501,11 @@ def test_a_rank_with_another_exit_code_disagrees(
     write_lines(tmp_path / "run" / "logs" / "events.rank0.jsonl", _as_rank(base, 0))
     write_lines(tmp_path / "run" / "logs" / "events.rank1.jsonl", rank1_events)
     code, report = audit_json(capsys, tmp_path / "run")
-    assert code == 1 and problems(report) == [("rank_disagreement", "events.rank1.jsonl", len(base))]
+    assert code == 3 and problems(report) == [("rank_disagreement", "events.rank1.jsonl", len(base))]
     assert report["problems"][0]["message"] == "attempt 0: exit code: rank 0 0, rank 1 3"
 
 
-def test_a_killed_attempt_is_a_missing_exit_not_an_illegal_transition(
+def test_a_killed_attempt_is_reported_at_its_last_record_not_as_an_illegal_transition(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """SIGKILL after the checkpoint of step 4 lost the transitions buffered since: a clean prefix."""
@@ -412,11 +517,18 @@ def test_a_killed_attempt_is_a_missing_exit_not_an_illegal_transition(
     events[cut:restart] = []
     path = write_lines(tmp_path / "events.rank0.jsonl", events)
     code, report = audit_json(capsys, path)
-    assert code == 1 and problems(report) == [("missing_exit", path.name, cut)]
-    assert "killed?" in report["problems"][0]["message"]
+    assert code == 0 and report["problems"] == [] and report["run_problems"] == []  # attempt 1 resumed it
     killed, resumed = report["attempts"]
     assert killed["killed"] and killed["exit"] is None and killed["last_step"] == 4
+    assert killed["killed_at"] == [
+        {
+            "rank": 0, "file": str(path), "line": cut, "state": "CHECKPOINT", "step": 4,
+            "ts": events[cut - 1]["ts"], "since_previous": events[cut - 1]["ts"] - events[cut - 2]["ts"],
+        }
+    ]  # fmt: skip
     assert resumed["resumed_from_step"] == 4 and resumed["exit"]["reason"] == "completed"
+    code, out, _ = cli(capsys, "audit", path)
+    assert code == 0 and f"exit: none: rank 0 killed at its last record ({path}:{cut}): CHECKPOINT at step 4" in out
 
 
 # ------------------------------------------------------------------ unreadable input
@@ -511,10 +623,21 @@ def test_every_command_documents_its_exit_codes(command: str, capsys: pytest.Cap
     out = capsys.readouterr().out
     assert f"usage: trainfsm {command}" in out
     assert "exit codes:" in out and "\n  0  " in out and "\n  2  " in out
+    if command in ("audit", "trace"):
+        assert "\n  1  the trail is consistent, but the run did not end well" in out
+        assert "\n  3  the trail is inconsistent with the machine" in out
+
+
+def test_the_main_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli(capsys, "--help")
+    out = capsys.readouterr().out
+    assert "\n  1    failure: the run failed or did not end well" in out
+    assert "\n  3    audit, trace: the trail is inconsistent" in out and "\n  130  interrupted" in out
 
 
 def test_every_problem_kind_is_documented() -> None:
     import trainfsm.audit
 
-    for kind in PROBLEM_KINDS:
+    for kind in (*PROBLEM_KINDS, *RUN_PROBLEM_KINDS):
         assert f"``{kind}``" in (trainfsm.audit.__doc__ or "")

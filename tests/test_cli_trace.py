@@ -28,17 +28,19 @@ def test_a_failed_run_shows_the_exception_with_its_traceback_and_the_resume(
     assert f"next: attempt 1 resumed from checkpoint {tmp_path / 'checkpoints' / '4'} (step 4)" in out
     assert "it ended completed at step 6" in out
     assert "attempt 1" not in out.split("next:")[0]  # the completed attempt has no story of its own
+    assert out.rstrip().splitlines()[-1] == "run ended well: attempt 1 completed (exit code 0)"  # it was resumed
 
 
 def test_n_limits_the_events_shown_per_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run(tmp_path, steps=6, interval=2, script={5: ValueError("boom")})
     code, out, _ = cli(capsys, "trace", tmp_path, "-n", "3")
-    assert code == 0
+    assert code == 1  # the run failed and nothing resumed it
     assert "last 3 events:" in out
     shown = [line for line in out.splitlines() if line.startswith("      :")]
     assert len(shown) == 3
     assert shown[-1].endswith("exit reason=failed code=1")
     assert "next: no later attempt in the trail" in out
+    assert out.rstrip().splitlines()[-1] == "run problems: failed"
 
 
 def test_a_preempted_run_shows_the_signal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,9 +58,27 @@ def test_a_killed_attempt_is_traced(tmp_path: Path, capsys: pytest.CaptureFixtur
     cut = index_of(events, event="checkpoint_saved", saved_step=4) + 1
     path = write_lines(tmp_path / "events.rank0.jsonl", events[:cut])
     code, out, _ = cli(capsys, "trace", path)
-    assert code == 0
-    assert out.startswith("attempt 0: killed? (no exit event")
+    assert code == 1  # killed, and no later attempt resumed it
+    since = events[cut - 1]["ts"] - events[cut - 2]["ts"]
+    assert out.startswith(
+        f"attempt 0: killed at its last record (rank 0 at {path}:{cut}, CHECKPOINT at step 4, "
+        f"{since:.2f} s after the record before it); no exit event"
+    )
     assert f"the trail ends in CHECKPOINT at step 4 ({path}:{cut})" in out
+    assert out.rstrip().splitlines()[-1] == "run problems: killed"
+
+
+def test_an_inconsistent_trail_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run(tmp_path / "real", steps=4, interval=2, trail_form="full")
+    events = read_lines(trail(tmp_path / "real"))
+    i = index_of(events, event="transition", trigger="stepped", step=3)
+    events[i]["trigger"] = "resume"  # not a row of the machine
+    code, out, _ = cli(capsys, "trace", write_lines(tmp_path / "events.rank0.jsonl", events))
+    assert code == 3 and out.startswith("Nothing to trace")
+    assert out.rstrip().splitlines()[-2:] == [
+        "INCONSISTENT: 1 problem",
+        "run ended well: attempt 0 completed (exit code 0)",
+    ]
 
 
 def test_a_completed_run_has_nothing_to_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

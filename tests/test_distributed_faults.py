@@ -28,7 +28,17 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.launch import ROOT, Outcome, Ranks, audit_problems, events, run_worker, summary
+from tests.distributed.launch import (
+    ROOT,
+    Outcome,
+    Ranks,
+    audit_problems,
+    events,
+    killed_ranks,
+    run_problems,
+    run_worker,
+    summary,
+)
 from tests.distributed.worker import LOSS_NONE_AT, reference
 from trainfsm.trace import render, trace
 
@@ -266,4 +276,5 @@ def test_sigkill_of_one_rank_fails_the_other_and_both_resume_from_the_last_check
         assert loaded["from_step"] == saved[-1]  # the last complete checkpoint before the kill
         assert _first(attempt, "exit")["reason"] == "completed" and _first(attempt, "exit")["step"] == STEPS
     assert summary(events(workspace, 0), attempt=1)["steps"] == summary(events(workspace, 1), attempt=1)["steps"]
-    assert audit_problems(workspace) == [("missing_exit", killed, 0)]  # only the killed rank's exit is missing
+    assert audit_problems(workspace) == [] and run_problems(workspace) == []  # attempt 1 resumed and completed
+    assert killed_ranks(workspace) == {0: [killed]}  # only the killed rank's exit is missing

@@ -14,16 +14,28 @@ the moment it was written, which the replay checks against its own:
 
 Transitions are written in batches, always before the next other event, so a process killed with
 SIGKILL may lose the transitions after its last decision event: the trail is then a clean prefix of
-what happened. Such an attempt has no ``exit`` event; it is reported once as ``missing_exit``
-("killed?") and its missing tail is not an illegal transition.
+what happened. Such an attempt has no ``exit`` event: it is reported as killed at its last record
+(step, state, and the time since the record before it), and its missing tail is not an illegal
+transition.
 
-Problems (any makes the trail inconsistent, exit 1), by ``kind``:
+Two questions get two answers. Is the trail consistent with the machine? ``problems`` (any makes
+it inconsistent: ``trainfsm audit`` exits 3). Did the run end well? ``run_problems`` (any: exit 1,
+when the trail is consistent). A run problem is about the last attempt only, as a later attempt
+means the run went on (it was resumed or restarted), by ``kind``:
+
+- ``failed``: the last attempt exited ``failed`` (an exception; the code is the process's status);
+- ``interrupted``: the last attempt exited ``interrupted`` (Ctrl-C: KeyboardInterrupt, code 130);
+- ``killed``: the last attempt has no ``exit`` event on some rank (SIGKILL, out of memory, a lost
+  node): reported at that rank's last record;
+- ``requeue_refused``: the last attempt's ``scontrol requeue`` failed (``requeue`` with ok=false,
+  the message says why): nothing will resume the run.
+
+Consistency problems, by ``kind``:
 
 - ``illegal_transition``: a transition that is not a row of the table, or whose source is not the
   replayed state;
 - ``state_mismatch``: an event written in another state than the replay is in (a lost line);
 - ``gap``: a step number that jumps, or an attempt that does not start at its checkpoint's step + 1;
-- ``missing_exit``: an attempt that ends without an ``exit`` event (killed?);
 - ``rank_disagreement``: ranks of one attempt that differ in steps done, retry steps, checkpoint
   steps, restored step, agreed signal step, or exit reason/code (compared only when every rank has
   its exit event: a killed rank's tail is not evidence);
@@ -33,7 +45,8 @@ Problems (any makes the trail inconsistent, exit 1), by ``kind``:
 ``--json`` prints one object (schema ``trainfsm.audit/1``; fields are only ever added)::
 
     {"schema": "trainfsm.audit/1",
-     "consistent": bool,                      # true iff "problems" is empty (exit code 0)
+     "consistent": bool,                      # true iff "problems" is empty (else exit code 3)
+     "ended_well": bool,                      # true iff "run_problems" is empty (else exit code 1)
      "files": [{"path": str, "ranks": [int], "events": int}],
      "attempts": [{                           # by attempt number
         "attempt": int,
@@ -61,6 +74,8 @@ Problems (any makes the trail inconsistent, exit 1), by ``kind``:
         "ended": str,                         # how each rank ended: "rank 0 killed (...), rank 1 failed (...)"
         "torchelastic": {"restart_count": int, "max_restarts": int|null, "run_id": str|null} | null,
         "killed": bool,                       # some rank has no exit event
+        "killed_at": [{"rank": int, "file": str, "line": int, "state": str, "step": int,
+                       "ts": float, "since_previous": float | null}],   # each such rank's last record
         "end": {"state": str, "step": int},   # where the first rank's trail of this attempt ends
         "started_at": float, "ended_at": float,       # epoch seconds, all ranks
         "per_rank": [{"rank", "file", "run_id", "world_size", "events", "first_step", "last_step",
@@ -68,6 +83,7 @@ Problems (any makes the trail inconsistent, exit 1), by ``kind``:
                       "loaded_step", "agreed_step", "exit", "end", "started_at", "ended_at"}]}],
      "problems": [{"kind": str, "message": str, "file": str|null, "line": int|null,
                    "rank": int|null, "attempt": int|null}],
+     "run_problems": [...],                   # as "problems", kinds of RUN_PROBLEM_KINDS
      "notes": [{"message": str, "file": str|null, "line": int|null}]}
 
 Attempt-level values are those of the attempt's lowest rank, except ``checkpoints.saved``,
@@ -95,10 +111,10 @@ PROBLEM_KINDS: Final = (
     "illegal_transition",
     "state_mismatch",
     "gap",
-    "missing_exit",
     "rank_disagreement",
     "malformed",
 )
+RUN_PROBLEM_KINDS: Final = ("failed", "interrupted", "killed", "requeue_refused")
 
 #: The machine's table as the trainer runs it: (trigger, source, dest) rows.
 _TABLE: Final = frozenset(fsm.transition_rows())
@@ -109,7 +125,7 @@ _STEP_DONE: Final = frozenset({"stepped", "save", "finish"})
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One inconsistency, pointing at the line that shows it."""
+    """One inconsistency, or one way the run did not end well, pointing at the line that shows it."""
 
     kind: str
     message: str
@@ -164,6 +180,7 @@ class RankAttempt:
     agreed: dict[str, Any] | None = None
     exceptions: list[dict[str, Any]] = field(default_factory=list)
     requeue: dict[str, Any] | None = None
+    requeue_line: int | None = None
     exit: dict[str, Any] | None = None
     exit_line: int | None = None
     end_state: str = fsm.BUILD
@@ -171,6 +188,7 @@ class RankAttempt:
     end_line: int = 0
     started_at: float = 0.0
     ended_at: float = 0.0
+    previous_at: float | None = None  # the time of the record before the last one
 
 
 class _Replay:
@@ -194,6 +212,8 @@ class _Replay:
         result = self.result
         if result.exit is not None:
             self.problem("malformed", record, f"{record.name} after the exit event of attempt {record.attempt}")
+        if result.events:
+            result.previous_at = result.ended_at  # a killed attempt: how long since the record before
         result.events += 1
         result.ended_at = record.ts
         result.end_line = record.line
@@ -386,6 +406,7 @@ class _Replay:
     def _requeue(self, record: Record) -> None:
         data = record.data
         self.result.requeue = {"ok": data.get("ok"), "command": data.get("command"), "message": data.get("message")}
+        self.result.requeue_line = record.line
 
     def _exit(self, record: Record) -> None:
         reason = record.data.get("reason")
@@ -427,6 +448,23 @@ class AttemptReport:
     @property
     def killed(self) -> bool:
         return any(r.exit is None for r in self.ranks)
+
+    def killed_at(self) -> list[dict[str, Any]]:
+        """Where each rank without an exit event stopped: its last record, and how long after the
+        record before it (a long pause there: it hung before it was killed)."""
+        return [
+            {
+                "rank": r.rank,
+                "file": r.file,
+                "line": r.end_line,
+                "state": r.end_state,
+                "step": r.end_step,
+                "ts": r.ended_at,
+                "since_previous": None if r.previous_at is None else r.ended_at - r.previous_at,
+            }
+            for r in self.ranks
+            if r.exit is None
+        ]
 
     def ended(self) -> str:
         """How every rank's attempt ended, in words: ``rank 0 killed (...), rank 1 failed (...)``."""
@@ -471,6 +509,7 @@ class AttemptReport:
             "ended": self.ended(),
             "torchelastic": first.torchelastic,
             "killed": self.killed,
+            "killed_at": self.killed_at(),
             "end": {"state": first.end_state, "step": first.end_step},
             "started_at": min(r.started_at for r in self.ranks),
             "ended_at": max(r.ended_at for r in self.ranks),
@@ -502,24 +541,32 @@ def _rank_dict(r: RankAttempt) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class AuditReport:
-    """The result of ``audit()``: attempts, problems (empty: consistent) and notes."""
+    """The result of ``audit()``: attempts, problems (empty: consistent), notes, and run problems
+    (empty: the run ended well)."""
 
     files: list[dict[str, Any]]
     attempts: list[AttemptReport]
     problems: list[Problem]
     notes: list[Note]
+    run_problems: list[Problem] = field(default_factory=list)
 
     @property
     def consistent(self) -> bool:
         return not self.problems
 
+    @property
+    def ended_well(self) -> bool:
+        return not self.run_problems
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
             "consistent": self.consistent,
+            "ended_well": self.ended_well,
             "files": self.files,
             "attempts": [a.as_dict() for a in self.attempts],
             "problems": [p.as_dict() for p in self.problems],
+            "run_problems": [p.as_dict() for p in self.run_problems],
             "notes": [n.as_dict() for n in self.notes],
         }
 
@@ -568,7 +615,7 @@ def audit_trail(trail: Trail, observe: Callable[[Record], None] | None = None, j
     for attempt in attempts:
         _check_attempt(attempt, problems, trail.notes)
     problems.sort(key=_problem_order)
-    return AuditReport(files, attempts, problems, trail.notes)
+    return AuditReport(files, attempts, problems, trail.notes, _run_problems(attempts))
 
 
 def _jobs(jobs: int | None, trail: Trail) -> int:
@@ -673,18 +720,6 @@ def _check_attempt(attempt: AttemptReport, problems: list[Problem], notes: list[
     for r in attempt.ranks:
         if r.run_id is None:
             notes.append(Note(f"rank {r.rank}, attempt {r.attempt} has no run_start (the trail begins mid-attempt?)"))
-        if r.exit is None:
-            problems.append(
-                Problem(
-                    "missing_exit",
-                    f"rank {r.rank}, attempt {r.attempt} ends in {r.end_state} at step {r.end_step} without an exit "
-                    f"event (killed? its last transitions may not have been written)",
-                    r.file,
-                    r.end_line,
-                    r.rank,
-                    r.attempt,
-                )
-            )
     world = attempt.first.world_size
     present = [r.rank for r in attempt.ranks]
     if world is not None and len(present) < world:
@@ -694,6 +729,63 @@ def _check_attempt(attempt: AttemptReport, problems: list[Problem], notes: list[
             notes.append(Note(f"attempt {attempt.attempt}: ranks not compared, as not every rank has an exit event"))
         else:
             _compare_ranks(attempt, problems)
+
+
+def _run_problems(attempts: list[AttemptReport]) -> list[Problem]:
+    """How the run did not end well. Only the last attempt counts: after a killed, failed,
+    interrupted or unrequeued attempt, a later one means the run was resumed or restarted."""
+    if not attempts:
+        return []
+    last = attempts[-1]
+    found = [
+        Problem(
+            "killed",
+            f"attempt {last.attempt}: rank {k['rank']} was killed: no exit event, its trail ends in {k['state']} at "
+            f"step {k['step']}{_since(k['since_previous'])}; no later attempt resumed it",
+            k["file"],
+            k["line"],
+            k["rank"],
+            last.attempt,
+        )
+        for k in last.killed_at()
+    ]
+    for reason in ("failed", "interrupted"):
+        ranks = [r for r in last.ranks if (r.exit or {}).get("reason") == reason]
+        if not ranks:
+            continue
+        r = ranks[0]
+        code = (r.exit or {}).get("code")
+        cause = f": {r.exceptions[0]['type']}: {_first_line(r.exceptions[0]['message'])[:80]}" if r.exceptions else ""
+        who = f"rank {r.rank}" if len(ranks) == 1 else f"ranks {', '.join(str(x.rank) for x in ranks)}"
+        found.append(
+            Problem(
+                reason,
+                f"attempt {last.attempt} {reason} on {who} at step {r.end_step} (exit code {code}){cause}; "
+                f"no later attempt",
+                r.file,
+                r.exit_line,
+                r.rank,
+                last.attempt,
+            )
+        )
+    requeue = last.first.requeue
+    if requeue is not None and not requeue["ok"]:
+        found.append(
+            Problem(
+                "requeue_refused",
+                f"attempt {last.attempt}: the job was not requeued ({requeue['command'] or 'no command'}: "
+                f"{_first_line(requeue['message'])}); no later attempt: nothing will resume the run",
+                last.first.file,
+                last.first.requeue_line,
+                last.first.rank,
+                last.attempt,
+            )
+        )
+    return found
+
+
+def _since(seconds: float | None) -> str:
+    return "" if seconds is None else f", {seconds:.2f} s after the record before it"
 
 
 #: What every rank of an attempt must agree on: (label, value of a rank).
@@ -744,7 +836,8 @@ def _problem_order(problem: Problem) -> tuple[Any, ...]:
 
 # -------------------------------------------------------------------- text rendering
 def render(report: AuditReport) -> str:
-    """The report for people: one block per attempt, then notes and problems, then the verdict."""
+    """The report for people: one block per attempt, then notes, problems and run problems, then the
+    verdict on the trail and on the run."""
     ranks = sorted({rank for info in report.files for rank in info["ranks"]})
     events = sum(info["events"] for info in report.files)
     lines = [
@@ -760,16 +853,31 @@ def render(report: AuditReport) -> str:
         lines.append("")
         lines.append("notes:")
         lines.extend(f"  {_prefix(n.where())}{n.message}" for n in report.notes)
-    if report.problems:
-        lines.append("")
-        lines.append("problems:")
-        lines.extend(f"  {_prefix(p.where())}[{p.kind}] {p.message}" for p in report.problems)
+    for title, found in (("problems", report.problems), ("run problems", report.run_problems)):
+        if found:
+            lines.append("")
+            lines.append(f"{title}:")
+            lines.extend(f"  {_prefix(p.where())}[{p.kind}] {p.message}" for p in found)
     lines.append("")
-    if report.consistent:
-        lines.append("consistent: every transition is a row of the machine, steps follow on, every attempt exited")
-    else:
-        lines.append(f"INCONSISTENT: {_plural(len(report.problems), 'problem')}")
+    lines.extend(verdict(report))
     return "\n".join(lines)
+
+
+def verdict(report: AuditReport) -> list[str]:
+    """Two lines: is the trail consistent with the machine; did the run end well."""
+    if report.consistent:
+        trail = "consistent: every transition is a row of the machine, steps follow on, the ranks agree"
+    else:
+        trail = f"INCONSISTENT: {_plural(len(report.problems), 'problem')}"
+    if report.run_problems:
+        run = "run problems: " + ", ".join(dict.fromkeys(p.kind for p in report.run_problems))
+    elif report.attempts and report.attempts[-1].first.exit is not None:
+        last = report.attempts[-1]
+        exit = last.first.exit or {}
+        run = f"run ended well: attempt {last.attempt} {exit['reason']} (exit code {exit['code']})"
+    else:
+        run = "run ended well"
+    return [trail, run]
 
 
 def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = None) -> list[str]:
@@ -807,7 +915,11 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
     elif first.exit is not None:
         lines.append(f"  exit: {first.exit['reason']}, code {first.exit['code']}")
     else:
-        lines.append(f"  exit: none (killed?) - the trail ends in {first.end_state} at step {first.end_step}")
+        lines.extend(
+            f"  exit: none: rank {k['rank']} killed at its last record ({k['file']}:{k['line']}): {k['state']} at "
+            f"step {k['step']}{_since(k['since_previous'])}"
+            for k in attempt.killed_at()
+        )
     return lines
 
 

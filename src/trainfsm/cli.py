@@ -1,7 +1,8 @@
 """The ``trainfsm`` command. Thin: parse arguments, call the library, map outcomes to exit codes.
 
-Exit codes (every subcommand): 0 success; 1 failure (the run failed, the trail is inconsistent, the
-checkpoint is invalid, or an optional dependency is missing); 2 usage error or unreadable input.
+Exit codes (every subcommand): 0 success; 1 failure (the run did not end well, the checkpoint is
+invalid, or an optional dependency is missing); 2 usage error or unreadable input; 3 (``audit``,
+``trace``) the trail is inconsistent with the machine, which wins over 1; 130 interrupted (Ctrl-C).
 Each subcommand's help lists its own. Subcommands import their heavier dependencies (torch for
 ``demo`` and ``inspect``, scikit-learn, graphviz, matplotlib) only when they run: ``audit``,
 ``trace``, ``plot`` and ``diagram`` never import torch, so they start in ~0.2 s rather than ~2.5 s
@@ -18,20 +19,27 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from trainfsm import __version__, diagram
+
+if TYPE_CHECKING:
+    from trainfsm.audit import AuditReport
 
 EXIT_OK: Final = 0
 EXIT_FAILURE: Final = 1
 EXIT_USAGE: Final = 2
+EXIT_INCONSISTENT: Final = 3
 
 EXIT_CODES_HELP: Final = """\
 exit codes:
-  0  success
-  1  failure (the run failed, the trail is inconsistent, the checkpoint is
-     invalid, or an optional dependency is missing; see each command's help)
-  2  usage error or unreadable input"""
+  0    success
+  1    failure: the run failed or did not end well (demo, audit, trace), the
+       checkpoint is invalid (inspect), or an optional dependency is missing;
+       see each command's help
+  2    usage error or unreadable input
+  3    audit, trace: the trail is inconsistent with the machine (wins over 1)
+  130  interrupted (Ctrl-C)"""
 
 
 def _positive_int(text: str) -> int:
@@ -114,9 +122,12 @@ micro-batches, non-finite retries, checkpoints saved/loaded/skipped, signals
 
 It checks every transition (each attempt starts in BUILD; a transition's source
 must be the current state and (trigger, source, dest) a row of the table), that
-step numbers rise by exactly one from the restored checkpoint's step + 1, that
-every attempt exited, and that the ranks of an attempt agree. Problems are
-listed with FILE:LINE.
+step numbers rise by exactly one from the restored checkpoint's step + 1, and
+that the ranks of an attempt agree. Apart from that, it says whether the run
+ended well: its last attempt did not fail, was not interrupted (Ctrl-C) or
+killed (no exit event: reported at its last record), and was requeued if it
+asked to be. An earlier attempt that was killed or failed is no run problem
+when a later attempt resumed. Problems are listed with FILE:LINE.
 
 Give a run directory (its logs/events.rank*.jsonl are read: all ranks) or event
 files. A cut-off last line (a killed writer) is noted and tolerated. --json
@@ -125,22 +136,29 @@ the trainfsm.audit module)."""
 
 AUDIT_EXIT_CODES: Final = """\
 exit codes:
-  0  the trail is consistent
-  1  it is not: an illegal transition, a step gap, an attempt without exit
-     (killed?), ranks that disagree (each listed with FILE:LINE)
+  0  the trail is consistent and the run ended well
+  1  the trail is consistent, but the run did not end well: its last attempt
+     failed, was interrupted or killed, or its requeue was refused
   2  usage error, or unreadable input: a missing or empty file, a line that is
-     not a JSON event, events of an unknown format version (FILE:LINE named)"""
+     not a JSON event, events of an unknown format version (FILE:LINE named)
+  3  the trail is inconsistent with the machine: an illegal transition, a state
+     mismatch, a step gap, ranks that disagree, events out of order (each
+     listed with FILE:LINE); 3 wins over 1"""
 
 TRACE_DESCRIPTION: Final = """\
-The failure story of a run: for each failed, preempted or killed attempt, the
-last N events on each rank before the end, the state and step where the trail
-ends, every exception with its traceback, and what the next attempt did
-(resumed from which checkpoint, or started afresh)."""
+The failure story of a run: for each failed, interrupted, preempted or killed
+attempt, the last N events on each rank before the end, the state and step
+where the trail ends, every exception with its traceback, and what the next
+attempt did (resumed from which checkpoint, or started afresh). It ends with
+the audit's verdict: is the trail consistent, did the run end well."""
 
 TRACE_EXIT_CODES: Final = """\
 exit codes:
-  0  the story was told (also when every attempt completed: it says so)
-  2  usage error, or unreadable input (the file and line are named)"""
+  0  the story was told, the trail is consistent and the run ended well (a
+     failed or killed attempt that a later one resumed included)
+  1  the trail is consistent, but the run did not end well (as for audit)
+  2  usage error, or unreadable input (the file and line are named)
+  3  the trail is inconsistent with the machine (as for audit); 3 wins over 1"""
 
 PLOT_DESCRIPTION: Final = """\
 Draw the run: one band per rank over wall-clock time, coloured by state, with
@@ -190,7 +208,7 @@ def _add_trail_commands(commands: Any, raw: type[argparse.HelpFormatter]) -> Non
 
     trace_parser = commands.add_parser(
         "trace",
-        help="the story of each failed, preempted or killed attempt: last events, exception, what came next",
+        help="the story of each failed, interrupted, preempted or killed attempt: last events, what came next",
         description=TRACE_DESCRIPTION,
         epilog=TRACE_EXIT_CODES,
         formatter_class=raw,
@@ -311,7 +329,15 @@ def _audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _error("audit", str(exc))
         return EXIT_USAGE
     print(report.to_json() if args.json else audit.render(report))
-    return EXIT_OK if report.consistent else EXIT_FAILURE
+    return _verdict_code(report)
+
+
+def _verdict_code(report: AuditReport) -> int:
+    """``audit`` and ``trace``: 3 inconsistent trail (first: then the run's story is unreliable),
+    1 a consistent trail of a run that did not end well, 0 both fine."""
+    if not report.consistent:
+        return EXIT_INCONSISTENT
+    return EXIT_OK if report.ended_well else EXIT_FAILURE
 
 
 def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -324,7 +350,7 @@ def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _error("trace", str(exc))
         return EXIT_USAGE
     print(trace.render(report))
-    return EXIT_OK
+    return _verdict_code(report.audit)
 
 
 def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -102,7 +102,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "exit": ("reason", "code"),
 }
 
-EXIT_REASONS: Final = ("completed", "preempted", "failed", "stopped")
+EXIT_REASONS: Final = ("completed", "preempted", "failed", "stopped", "interrupted")
 
 #: The trail's forms: routine steps as ``steps`` records, or every transition verbatim (debugging).
 TRAIL_FORMS: Final = ("compact", "full")

@@ -1,10 +1,11 @@
 """``trainfsm trace``: the story of each attempt that did not complete.
 
-For every failed, preempted or killed attempt (no ``exit`` event): with several ranks, the cause
-(the earliest exception on a rank that did not fail in a collective because of another); on each
-rank, the last N events before the end, the state and step where the trail ends, every exception
-with its traceback; then what the next attempt did (resumed from which checkpoint, skipped which,
-or started afresh).
+For every failed, interrupted, preempted or killed attempt (no ``exit`` event: reported at its
+last record): with several ranks, the cause (the earliest exception on a rank that did not fail in
+a collective because of another); on each rank, the last N events before the end, the state and
+step where the trail ends, every exception with its traceback; then what the next attempt did
+(resumed from which checkpoint, skipped which, or started afresh). It ends with the audit's
+verdict (``trainfsm.audit.verdict``): is the trail consistent, did the run end well.
 
 The trail is read once: the audit's replay gives the attempts' outcome, and a bounded tail per rank
 and attempt keeps the last events, so a week-long trail costs no more memory than a short one.
@@ -18,10 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm.audit import AttemptReport, AuditReport, audit_trail
+from trainfsm.audit import AttemptReport, AuditReport, audit_trail, verdict
 from trainfsm.trail import Record, open_trail
 
 DEFAULT_EVENTS: Final = 10
+
+#: Exit reasons that get a story (as does an attempt without an exit event).
+_TRACED: Final = frozenset({"failed", "interrupted", "preempted"})
 
 #: Fields every event has; the rest are what an event says.
 _COMMON: Final = frozenset({"ts", "event", "rank", "step", "state", "run_id", "attempt", "traceback"})
@@ -42,8 +46,8 @@ class TraceReport:
     tails: dict[tuple[int, int], _Tail]
 
     def traced(self) -> list[AttemptReport]:
-        """The attempts worth a story: failed, preempted, killed."""
-        return [a for a in self.audit.attempts if a.killed or _reason(a) in ("failed", "preempted")]
+        """The attempts worth a story: failed, interrupted, preempted, killed."""
+        return [a for a in self.audit.attempts if a.killed or _reason(a) in _TRACED]
 
 
 def trace(inputs: Iterable[Path], events: int = DEFAULT_EVENTS) -> TraceReport:
@@ -70,15 +74,17 @@ def render(report: TraceReport) -> str:
     attempts = report.audit.attempts
     if not traced:
         outcomes = ", ".join(sorted({_reason(a) or "?" for a in attempts}))
-        return (
-            f"Nothing to trace: no attempt failed, was preempted or was killed ({len(attempts)} attempts: {outcomes})."
-        )
-    lines: list[str] = []
-    for attempt in traced:
-        if lines:
-            lines.append("")
-        lines.extend(_render_attempt(report, attempt))
-    return "\n".join(lines)
+        lines = [
+            f"Nothing to trace: no attempt failed, was interrupted, preempted or killed ({len(attempts)} attempts: "
+            f"{outcomes})."
+        ]
+    else:
+        lines = []
+        for attempt in traced:
+            if lines:
+                lines.append("")
+            lines.extend(_render_attempt(report, attempt))
+    return "\n".join([*lines, "", *verdict(report.audit)])
 
 
 def _reason(attempt: AttemptReport) -> str | None:
@@ -89,7 +95,12 @@ def _reason(attempt: AttemptReport) -> str | None:
 def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
     first = attempt.first
     if first.exit is None:
-        outcome = "killed? (no exit event; the transitions after its last event may not have been written)"
+        where = "; ".join(
+            f"rank {k['rank']} at {k['file']}:{k['line']}, {k['state']} at step {k['step']}"
+            + ("" if k["since_previous"] is None else f", {k['since_previous']:.2f} s after the record before it")
+            for k in attempt.killed_at()
+        )
+        outcome = f"killed at its last record ({where}); no exit event, so its last transitions may be missing"
     else:
         outcome = f"{first.exit['reason']} (exit code {first.exit['code']})"
     lines = [f"attempt {attempt.attempt}: {outcome}"]
@@ -162,7 +173,7 @@ def _next_attempt(report: AuditReport, number: int) -> str:
     if exit is not None:
         ending = f"it ended {exit['reason']} at step {first.end_step}"
     else:
-        ending = f"it has no exit event either (killed?), last seen at step {first.end_step}"
+        ending = f"it was killed too (no exit event), last seen at step {first.end_step}"
     elastic = first.torchelastic
     if elastic and elastic.get("restart_count"):
         what = f"(torchrun restart {elastic['restart_count']}) {what}"

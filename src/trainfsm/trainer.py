@@ -281,6 +281,7 @@ class BaseTrainer:
         )
         self.audit = self._events.log
         self._exit_errors: list[BaseException] = []
+        self._failure: BaseException | None = None  # the exception on its way out of train(), if any
         self._requeued = False
         self.slurm = slurm.detect()
         self.audit.info(
@@ -322,7 +323,8 @@ class BaseTrainer:
         )
         if self.state == fsm.EXIT:
             return
-        self.exit_reason, self.exit_code = "failed", 1
+        self.exit_reason, self.exit_code = _exit_status(exc)
+        self._failure = exc
         try:
             self.fail()
         except BaseException as inner:  # EXIT's own work failed: record it, keep the original error
@@ -621,7 +623,9 @@ class BaseTrainer:
         self._decide_signals()  # BUILD failed before the policy was known: held signals are passed on
         iterator, self._data_iter = self._data_iter, None
         self._guarded(partial(close_iterator, iterator))
-        if self.exit_reason is None or self._exit_errors:  # a failure, also one in EXIT's own work
+        # A failure in EXIT's own work is raised at the end (status 1), unless an exception is
+        # already on its way out of train(): that one decides the status, and _fail recorded it.
+        if self.exit_reason is None or (self._exit_errors and self._failure is None):
             self.exit_reason, self.exit_code = "failed", 1
         self._report_signals()
         if self.exit_reason == "preempted" and self.rank == 0:
@@ -780,6 +784,22 @@ class BaseTrainer:
     def log_images(self, records: dict[str, Any], dry_run: bool = False) -> None:
         for hook in self.hooks:
             hook.on_log_images(self, records, dry_run)
+
+
+def _exit_status(exc: BaseException) -> tuple[str, int]:
+    """The exit reason, and the status the process ends with once ``exc`` leaves ``train()``
+    uncaught: the trail's exit code is the one the shell sees.
+
+    Python re-raises an uncaught KeyboardInterrupt by killing itself with SIGINT (the shell sees
+    128 + 2); it exits with a SystemExit's code (None: 0; an int, modulo 256 as the OS keeps it;
+    anything else is printed and gives 1); any other exception gives 1."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", 128 + signal.SIGINT
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        status = 0 if code is None else int(code) & 0xFF if isinstance(code, int) else 1
+        return ("failed" if status else "stopped"), status
+    return "failed", 1
 
 
 def _share_run_id(run_id: str, attempt: int) -> tuple[str, int]:

@@ -206,3 +206,19 @@ def audit_problems(workspace: Path) -> list[tuple[str, int | None, int | None]]:
     from trainfsm.audit import audit
 
     return [(p.kind, p.rank, p.attempt) for p in audit([workspace]).problems]
+
+
+def run_problems(workspace: Path) -> list[tuple[str, int | None, int | None]]:
+    """How ``trainfsm audit`` says the run did not end well: (kind, rank, attempt) of its run
+    problems (``killed``, ``failed``, ...: about the last attempt only); [] when it ended well."""
+    from trainfsm.audit import audit
+
+    return [(p.kind, p.rank, p.attempt) for p in audit([workspace]).run_problems]
+
+
+def killed_ranks(workspace: Path) -> dict[int, list[int]]:
+    """Attempt -> the ranks ``trainfsm audit`` reports killed (no exit event), for attempts with any."""
+    from trainfsm.audit import audit
+
+    attempts = audit([workspace]).attempts
+    return {a.attempt: [k["rank"] for k in a.killed_at()] for a in attempts if a.killed}

@@ -11,7 +11,8 @@ when every signalled run ended as the rule says:
 - signalled in BUILD or RESTORE: ``preempt`` to EXIT, exit ``128 + signal``, nothing saved;
 - signalled once training was complete (EXIT, or after ``train()``): exit 0 (the signal is
   recorded), or killed by it once ``train()`` returned and handed the handlers back;
-- SIGINT before the hook's policy exists: Python's own KeyboardInterrupt, as without trainfsm;
+- SIGINT before the hook's policy exists: Python's own KeyboardInterrupt, as without trainfsm
+  (the process ends with SIGINT; its trail says ``interrupted``, code 130, as a shell would);
 
 and the final parameters are bitwise equal to an uninterrupted run's.
 
@@ -107,7 +108,10 @@ def _judge(mine: list[dict[str, Any]], sig: signal.Signals, code: int) -> tuple[
         return ("" if code in (0, -sig) else f"exit {code} after a completed run"), "after training"
     interrupted = [e for e in mine if e["event"] == "exception" and e["type"] == "KeyboardInterrupt"]
     if sig == signal.SIGINT and interrupted and interrupted[0]["state"] == "BUILD":
-        return ("" if code in (1, -signal.SIGINT) else f"exit {code} after KeyboardInterrupt"), "BUILD (Ctrl-C)"
+        # Python ends itself with SIGINT (-2 here, 130 in a shell): the trail says so.
+        if code != -signal.SIGINT or (exit_event["reason"], exit_event["code"]) != ("interrupted", 128 + sig):
+            return f"exit {code}, trail {exit_event['reason']} {exit_event['code']} after KeyboardInterrupt", "BUILD"
+        return "", "BUILD (Ctrl-C)"
     return f"exit {code}, trail ends {exit_event['reason']} without agreement or preempt", "unknown"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -192,3 +193,36 @@ def test_a_torchrun_job_signalled_as_the_guide_says_is_requeued_and_resumes_exac
     )
     final, expected = torch.load(workspace / "final.pt"), torch.load(straight / "final.pt")
     assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
+
+
+def test_a_job_submitted_with_no_requeue_is_refused_and_audit_says_the_run_did_not_end_well(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """``sbatch --no-requeue``: the preempted job checkpoints and asks to be requeued, SLURM refuses
+    (``requeue ok=false`` with scontrol's error), the job ends FAILED with the trail's exit code, and
+    ``trainfsm audit`` exits 1: a consistent trail of a run that nothing will resume."""
+    workspace = tmp_path / "run"
+    env = {"PYTHON": sys.executable, "WORKSPACE": str(workspace)}
+    options = ["--no-requeue", "--chdir", str(ROOT), "--output", str(tmp_path / "slurm-%j.out")]
+    job_id = slurm_cluster.sbatch(SBATCH, *ARGS, options=options, env=env)
+
+    wait_for(lambda: any(e["event"] == "restore" for e in events(workspace)), 60, "the job to start training")
+    time.sleep(0.6)
+    slurm_cluster.scancel(job_id, "--batch", "--signal=USR1")
+    job = slurm_cluster.wait_state(job_id, "FAILED", timeout=120)
+    trail = events(workspace)
+    requeue = next(e for e in trail if e["event"] == "requeue")
+    assert not requeue["ok"] and requeue["command"] == f"scontrol requeue {job_id}", requeue
+    assert requeue["message"]  # scontrol's own error
+    exit_event = trail[-1]
+    assert (exit_event["event"], exit_event["reason"], exit_event["code"]) == ("exit", "preempted", 138)
+    assert job["ExitCode"] == f"{exit_event['code']}:0" and job["Restarts"] == "0", job
+    assert {e["attempt"] for e in trail} == {0}
+
+    trainfsm = Path(sys.executable).with_name("trainfsm")
+    argv = [str(trainfsm)] if trainfsm.exists() else [sys.executable, "-m", "trainfsm"]
+    audit = subprocess.run([*argv, "audit", "--json", str(workspace)], capture_output=True, text=True, timeout=120)
+    assert audit.returncode == 1, audit.stdout + audit.stderr
+    report = json.loads(audit.stdout)
+    assert report["consistent"] and not report["ended_well"]
+    assert [(p["kind"], p["attempt"]) for p in report["run_problems"]] == [("requeue_refused", 0)]

@@ -515,7 +515,7 @@ class CheckpointingHook(BaseHook):
                 self._group = None
             if self.store is not None:
                 self.store.close()
-            if trainer.exit_reason != "failed":  # a failing rank may never arrive: don't wait for it
+            if trainer.exit_reason not in ("failed", "interrupted"):  # a failing rank may never arrive
                 _barrier(trainer.world_size)
 
     def _root(self, trainer: BaseTrainer) -> Path:
