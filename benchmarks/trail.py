@@ -86,8 +86,10 @@ def write_trail(
     checkpoint_every: int = 10_000,
     segment_bytes: int | None = None,
     clock: Any = None,
+    killed: bool = False,
 ) -> Path:
-    """One rank's trail of ``steps`` steps, written by EventLog as the trainer writes it."""
+    """One rank's trail of ``steps`` steps, written by EventLog as the trainer writes it
+    (``killed``: the process dies after its last step, leaving no exit event)."""
     clock = clock if clock is not None else Clock(rate, seed=rank)
     owner = Owner()
     path = logs / f"events.rank{rank}.jsonl"
@@ -122,6 +124,10 @@ def write_trail(
         for _ in range(micro - 1):
             nxt()
         clock.step()
+        if step == steps and killed:
+            end()
+            log.write_out()  # what the page cache holds when the process is gone
+            return path
         if step == steps:
             finish()
         elif step % checkpoint_every == 0:

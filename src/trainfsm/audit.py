@@ -467,19 +467,10 @@ class AttemptReport:
         ]
 
     def ended(self) -> str:
-        """How every rank's attempt ended, in words: ``rank 0 killed (...), rank 1 failed (...)``."""
-        parts = []
-        for r in self.ranks:
-            if r.exit is None:
-                parts.append(
-                    f"rank {r.rank} killed (no exit event; its trail ends in {r.end_state} at step {r.end_step})"
-                )
-                continue
-            text = f"rank {r.rank} {r.exit['reason']} (code {r.exit['code']}"
-            if r.exit["reason"] == "failed" and r.exceptions:
-                text += f", {r.exceptions[0]['type']}: {_first_line(r.exceptions[0]['message'])[:80]}"
-            parts.append(text + ")")
-        return ", ".join(parts)
+        """How the ranks' attempt ended, in words, ranks that ended alike together:
+        ``ranks 0-6 completed (code 0); rank 7 killed (...)``."""
+        groups = _group(self.ranks, _how_ended).items()
+        return "; ".join(f"{_who([r.rank for r in ranks])} {how}" for how, ranks in groups)
 
     def as_dict(self) -> dict[str, Any]:
         first = self.first
@@ -717,13 +708,15 @@ def _attempts(replays: dict[tuple[int, int], _Replay]) -> list[AttemptReport]:
 
 
 def _check_attempt(attempt: AttemptReport, problems: list[Problem], notes: list[Note]) -> None:
-    for r in attempt.ranks:
-        if r.run_id is None:
-            notes.append(Note(f"rank {r.rank}, attempt {r.attempt} has no run_start (the trail begins mid-attempt?)"))
+    headless = [r.rank for r in attempt.ranks if r.run_id is None]
+    if headless:
+        notes.append(
+            Note(f"{_who(headless)}, attempt {attempt.attempt} has no run_start (the trail begins mid-attempt?)")
+        )
     world = attempt.first.world_size
     present = [r.rank for r in attempt.ranks]
     if world is not None and len(present) < world:
-        notes.append(Note(f"attempt {attempt.attempt}: world_size is {world}, but the trail has ranks {present}"))
+        notes.append(Note(f"attempt {attempt.attempt}: world_size is {world}, but the trail has {_who(present)}"))
     if len(attempt.ranks) > 1:
         if attempt.killed:
             notes.append(Note(f"attempt {attempt.attempt}: ranks not compared, as not every rank has an exit event"))
@@ -737,18 +730,22 @@ def _run_problems(attempts: list[AttemptReport]) -> list[Problem]:
     if not attempts:
         return []
     last = attempts[-1]
-    found = [
-        Problem(
-            "killed",
-            f"attempt {last.attempt}: rank {k['rank']} was killed: no exit event, its trail ends in {k['state']} at "
-            f"step {k['step']}{_since(k['since_previous'])}; no later attempt resumed it",
-            k["file"],
-            k["line"],
-            k["rank"],
-            last.attempt,
+    found = []
+    for (state, step), killed in _group(last.killed_at(), lambda k: (k["state"], k["step"])).items():
+        k = killed[0]
+        since = _since(k["since_previous"]) if len(killed) == 1 else ""
+        found.append(
+            Problem(
+                "killed",
+                f"attempt {last.attempt}: {_who([x['rank'] for x in killed])} killed: no exit event, "
+                f"{'its trail ends' if len(killed) == 1 else 'their trails end'} in {state} at step {step}{since}; "
+                f"no later attempt resumed {'it' if len(killed) == 1 else 'them'}",
+                k["file"],
+                k["line"],
+                k["rank"],
+                last.attempt,
+            )
         )
-        for k in last.killed_at()
-    ]
     for reason in ("failed", "interrupted"):
         ranks = [r for r in last.ranks if (r.exit or {}).get("reason") == reason]
         if not ranks:
@@ -756,7 +753,7 @@ def _run_problems(attempts: list[AttemptReport]) -> list[Problem]:
         r = ranks[0]
         code = (r.exit or {}).get("code")
         cause = f": {r.exceptions[0]['type']}: {_first_line(r.exceptions[0]['message'])[:80]}" if r.exceptions else ""
-        who = f"rank {r.rank}" if len(ranks) == 1 else f"ranks {', '.join(str(x.rank) for x in ranks)}"
+        who = _who([x.rank for x in ranks])
         found.append(
             Problem(
                 reason,
@@ -804,23 +801,61 @@ _AGREEMENT: Final = (
 
 
 def _compare_ranks(attempt: AttemptReport, problems: list[Problem]) -> None:
+    """One problem per label and differing value, naming every rank that has it: a thousand ranks
+    where one differs give one line, not a thousand."""
     reference = attempt.first
     for label, value in _AGREEMENT:
         expected = value(reference)
-        for other in attempt.ranks[1:]:
-            found = value(other)
-            if found != expected:
-                problems.append(
-                    Problem(
-                        "rank_disagreement",
-                        f"attempt {attempt.attempt}: {label}: rank {reference.rank} {_show(expected)}, "
-                        f"rank {other.rank} {_show(found)}",
-                        other.file,
-                        other.exit_line,
-                        other.rank,
-                        attempt.attempt,
-                    )
+        differing = [other for other in attempt.ranks[1:] if value(other) != expected]
+        for others in _group(differing, lambda r, value=value: repr(value(r))).values():  # type: ignore[misc]
+            other = others[0]
+            problems.append(
+                Problem(
+                    "rank_disagreement",
+                    f"attempt {attempt.attempt}: {label}: rank {reference.rank} {_show(expected)}, "
+                    f"{_who([r.rank for r in others])} {_show(value(other))}",
+                    other.file,
+                    other.exit_line,
+                    other.rank,
+                    attempt.attempt,
                 )
+            )
+
+
+def _group(items: Iterable[Any], key: Callable[[Any], Any]) -> dict[Any, list[Any]]:
+    """Items by ``key``, groups in order of first appearance."""
+    groups: dict[Any, list[Any]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return groups
+
+
+def _who(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-511, 513-1023``: runs of consecutive ranks as ranges."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranges(ranks)}"
+
+
+def _ranges(ranks: Iterable[int]) -> str:
+    parts: list[str] = []
+    ordered = sorted(ranks)
+    start = previous = ordered[0] if ordered else 0
+    for rank in ordered[1:]:
+        if rank != previous + 1:
+            parts.append(f"{start}-{previous}" if previous > start else str(start))
+            start = rank
+        previous = rank
+    if ordered:
+        parts.append(f"{start}-{previous}" if previous > start else str(start))
+    return ", ".join(parts)
+
+
+def _how_ended(r: RankAttempt) -> str:
+    if r.exit is None:
+        return f"killed (no exit event; the trail ends in {r.end_state} at step {r.end_step})"
+    text = f"{r.exit['reason']} (code {r.exit['code']}"
+    if r.exit["reason"] == "failed" and r.exceptions:
+        text += f", {r.exceptions[0]['type']}: {_first_line(r.exceptions[0]['message'])[:80]}"
+    return text + ")"
 
 
 def _show(value: Any) -> str:
@@ -852,15 +887,26 @@ def render(report: AuditReport) -> str:
     if report.notes:
         lines.append("")
         lines.append("notes:")
-        lines.extend(f"  {_prefix(n.where())}{n.message}" for n in report.notes)
+        lines.extend(_at_most(f"  {_prefix(n.where())}{n.message}" for n in report.notes))
     for title, found in (("problems", report.problems), ("run problems", report.run_problems)):
         if found:
             lines.append("")
             lines.append(f"{title}:")
-            lines.extend(f"  {_prefix(p.where())}[{p.kind}] {p.message}" for p in found)
+            lines.extend(_at_most(f"  {_prefix(p.where())}[{p.kind}] {p.message}" for p in found))
     lines.append("")
     lines.extend(verdict(report))
     return "\n".join(lines)
+
+
+#: Lines a section of the text report shows; the rest are counted (``--json`` has them all).
+SECTION_LINES: Final = 20
+
+
+def _at_most(lines: Iterable[str], limit: int = SECTION_LINES) -> list[str]:
+    shown = list(lines)
+    if len(shown) <= limit:
+        return shown
+    return [*shown[: limit - 1], f"  ... and {len(shown) - limit + 1} more (--json lists them all)"]
 
 
 def verdict(report: AuditReport) -> list[str]:
@@ -886,7 +932,7 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
     how = {"launch": "launch", "resume": f"resume from step {first.resumed_from_step}", None: "start unknown"}
     seconds = data["ended_at"] - data["started_at"]
     ranks = data["ranks"]
-    rank_text = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    rank_text = _who(ranks)
     lines = [f"attempt {attempt.attempt}: {how[first.start]}, {rank_text}, {seconds:.2f} s"]
     if previous is not None and first.torchelastic and first.torchelastic.get("restart_count"):
         elastic = first.torchelastic
@@ -905,9 +951,8 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
     )
     lines.append("  checkpoints: " + _render_checkpoints(data["checkpoints"]))
     lines.append("  signals: " + _render_signals(data["signals"]))
-    lines.extend(
-        f"  exception on rank {e['rank']}: {e['type']}: {_first_line(e['message'])}" for e in data["exceptions"]
-    )
+    for (kind, message), alike in _group(data["exceptions"], lambda e: (e["type"], _first_line(e["message"]))).items():
+        lines.append(f"  exception on {_who([e['rank'] for e in alike])}: {kind}: {message}")
     if first.requeue is not None:
         lines.append(f"  requeue: {'done' if first.requeue['ok'] else 'FAILED'}: {first.requeue['message']}")
     if len(attempt.ranks) > 1 and len({(r.exit or {}).get("reason") for r in attempt.ranks}) > 1:
@@ -915,11 +960,15 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
     elif first.exit is not None:
         lines.append(f"  exit: {first.exit['reason']}, code {first.exit['code']}")
     else:
-        lines.extend(
-            f"  exit: none: rank {k['rank']} killed at its last record ({k['file']}:{k['line']}): {k['state']} at "
-            f"step {k['step']}{_since(k['since_previous'])}"
-            for k in attempt.killed_at()
-        )
+        for (state, step), killed in _group(attempt.killed_at(), lambda k: (k["state"], k["step"])).items():
+            k = killed[0]
+            if len(killed) == 1:
+                where, since = f"its last record ({k['file']}:{k['line']})", _since(k["since_previous"])
+            else:
+                where, since = "their last records", ""
+            lines.append(
+                f"  exit: none: {_who([x['rank'] for x in killed])} killed at {where}: {state} at step {step}{since}"
+            )
     return lines
 
 
@@ -937,7 +986,10 @@ def _render_checkpoints(checkpoints: dict[str, list[dict[str, Any]]]) -> str:
 
 def _render_signals(signals: dict[str, Any]) -> str:
     received = [
-        f"{s['signal']} on rank {s['rank']} at step {s['at_step']} ({s['at_state']})" for s in signals["received"]
+        f"{signal} on {_who([s['rank'] for s in alike])} at step {step} ({state})"
+        for (signal, step, state), alike in _group(
+            signals["received"], lambda s: (s["signal"], s["at_step"], s["at_state"])
+        ).items()
     ]
     text = ", ".join(received) or "none"
     agreed = signals["agreed"]

@@ -204,6 +204,13 @@ def _add_trail_commands(commands: Any, raw: type[argparse.HelpFormatter]) -> Non
     )
     audit_parser.add_argument("inputs", nargs="+", type=Path, metavar="RUN_DIR_OR_EVENTS", help=trail_help)
     audit_parser.add_argument("--json", action="store_true", help="print the report as JSON (trainfsm.audit/1)")
+    audit_parser.add_argument(
+        "--jobs",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="processes replaying rank files side by side (default: one per core, for trails over 32 MiB)",
+    )
     audit_parser.set_defaults(run=_audit)
 
     trace_parser = commands.add_parser(
@@ -319,12 +326,22 @@ def _diagram(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return EXIT_OK
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def _audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from trainfsm import audit
     from trainfsm.trail import TrailError
 
     try:
-        report = audit.audit(args.inputs)
+        report = audit.audit(args.inputs, jobs=args.jobs)
     except TrailError as exc:
         _error("audit", str(exc))
         return EXIT_USAGE
