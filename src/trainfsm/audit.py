@@ -217,10 +217,11 @@ class _Replay:
         result.events += 1
         result.ended_at = record.ts
         result.end_line = record.line
-        if record.name == "transition":
-            self._transition(record)
-        elif record.name == "steps":
+        name = record.name
+        if name == "steps":
             self._steps(record)
+        elif name == "transition":
+            self._transition(record)
         else:
             self._check_position(record)
             handler = _HANDLERS.get(record.name)
@@ -650,19 +651,19 @@ def _replay_file(
     """
     ranks: list[int] = []
     events = 0
-    key: tuple[int, int] | None = None
-    replay: _Replay | None = None
+    attempt = rank = -1
+    feed: Callable[[Record], None] | None = None
     latest: dict[int, int] = {}  # rank -> the highest attempt seen in this file
-    for record in read_records(path, notes):
+    for record in read_records(path, notes):  # per line: no allocation beyond the record's own
         events += 1
         if observe is not None:
             observe(record)
-        if key != (record.attempt, record.rank):
-            key = (record.attempt, record.rank)
-            replay = _replay_for(record, replays, problems, latest, str(path))
-            if record.rank not in ranks:
-                ranks.append(record.rank)
-        replay.feed(record)  # type: ignore[union-attr]
+        if record.attempt != attempt or record.rank != rank:
+            attempt, rank = record.attempt, record.rank
+            feed = _replay_for(record, replays, problems, latest, str(path)).feed
+            if rank not in ranks:
+                ranks.append(rank)
+        feed(record)  # type: ignore[misc]
     return {"path": str(path), "ranks": ranks, "events": events}
 
 
