@@ -8,8 +8,9 @@ import pytest
 from benchmarks.trail import write_trail
 
 from trainfsm import audit as audit_module
-from trainfsm.audit import audit, render
+from trainfsm.audit import audit, audit_trail, render
 from trainfsm.cli import main
+from trainfsm.trail import open_trail
 
 
 def job(logs: Path, ranks: int, steps: int, short: dict[int, int] | None = None, killed: bool = False) -> Path:
@@ -81,3 +82,12 @@ def test_a_long_section_shows_its_first_lines_and_counts_the_rest(tmp_path: Path
     text = render(report)
     assert "  ... and " in text and " more (--json lists them all)" in text
     assert len(report.problems) > 20 and len(text.splitlines()) < 40
+
+
+def test_the_readers_fast_path_for_steps_records_reports_what_the_record_path_does(tmp_path: Path) -> None:
+    logs = job(tmp_path / "logs", 3, 400, short={2: 390})
+    fast = audit([logs], jobs=1)
+    seen: list[int] = []
+    slow = audit_trail(open_trail([logs]), observe=lambda record: seen.append(record.line))  # every line a Record
+    assert fast.as_dict() == slow.as_dict()
+    assert len(seen) == sum(f["events"] for f in fast.files)

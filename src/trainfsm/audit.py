@@ -276,10 +276,38 @@ class _Replay:
                 self.result.first_step = self.step
 
     def _steps(self, record: Record) -> None:
+        self.steps(record.data, record.file, record.line, counted=True)
+
+    def steps(self, data: dict[str, Any], file: str, line: int, counted: bool = False) -> None:
         """A compact run of routine steps first..step: each is ``fsm.ROUTINE_START``, ``micro - 1``
         x ``fsm.ROUTINE_NEXT``, ``fsm.ROUTINE_END``, replayed at once (they are rows of the table,
-        checked at import), so auditing costs the same per record however many steps it holds."""
-        first, last, micro = record.data["first"], record.step, record.data["micro"]
+        checked at import), so auditing costs the same per record however many steps it holds.
+        Called with the record's dict straight from the reader (``counted``: ``feed`` did the
+        bookkeeping already); a ``Record`` is made only to point a problem at the line."""
+        result = self.result
+        if not counted:
+            if result.exit is not None:
+                self.feed(Record(file, line, data))  # says what is wrong, then replays it
+                return
+            if result.events:
+                result.previous_at = result.ended_at
+            result.events += 1
+            result.ended_at = data["ts"]
+            result.end_line = line
+        first, last, micro = data["first"], data["step"], data["micro"]
+        if self.state != fsm.STEP or first != self.step or data["state"] != fsm.STEP:
+            self._steps_problems(Record(file, line, data), first, last)
+        count = last - first + 1
+        result.micro_batches += count * micro
+        result.steps_done += count
+        result.last_step = last
+        self.state = fsm.STEP
+        self.step = last + 1
+        if result.first_step is None:  # a trail that begins mid-attempt
+            result.first_step = first
+        result.end_state, result.end_step = fsm.STEP, self.step
+
+    def _steps_problems(self, record: Record, first: int, last: int) -> None:
         if self.state != fsm.STEP:
             trigger, source, dest = fsm.ROUTINE_START
             self.problem(
@@ -293,15 +321,6 @@ class _Replay:
             self.problem("gap", record, f"step jumps from {self.step} to {first}{missing}")
         if record.state != fsm.STEP:
             self.problem("state_mismatch", record, f"routine steps ending in STEP written in state {record.state}")
-        result = self.result
-        count = last - first + 1
-        result.micro_batches += count * micro
-        result.steps_done += count
-        result.last_step = last
-        self.state = fsm.STEP
-        self.step = last + 1
-        if result.first_step is None:  # a trail that begins mid-attempt
-            result.first_step = first
 
     def _step_never_happened(self) -> None:
         """A trigger of ``fsm.STEP_TAKEN_BACK`` (``max_epochs`` ran out): the step that began is taken back."""
@@ -652,19 +671,30 @@ def _replay_file(
     ranks: list[int] = []
     events = 0
     attempt = rank = -1
-    feed: Callable[[Record], None] | None = None
+    current: _Replay | None = None
     latest: dict[int, int] = {}  # rank -> the highest attempt seen in this file
-    for record in read_records(path, notes):  # per line: no allocation beyond the record's own
+    taken = 0  # steps records the current replay took without a Record
+
+    def routine(data: dict[str, Any], file: str, line: int) -> bool:
+        """A steps record of the attempt being replayed: straight to it (most lines)."""
+        nonlocal taken
+        if current is None or data["attempt"] != attempt or data["rank"] != rank:
+            return False
+        current.steps(data, file, line)
+        taken += 1
+        return True
+
+    for record in read_records(path, notes, None if observe is not None else routine):
         events += 1
         if observe is not None:
             observe(record)
         if record.attempt != attempt or record.rank != rank:
             attempt, rank = record.attempt, record.rank
-            feed = _replay_for(record, replays, problems, latest, str(path)).feed
+            current = _replay_for(record, replays, problems, latest, str(path))
             if rank not in ranks:
                 ranks.append(rank)
-        feed(record)  # type: ignore[misc]
-    return {"path": str(path), "ranks": ranks, "events": events}
+        current.feed(record)  # type: ignore[union-attr]
+    return {"path": str(path), "ranks": ranks, "events": events + taken}
 
 
 def _replay_for(
