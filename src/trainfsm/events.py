@@ -336,20 +336,7 @@ class EventLog:
             if show and len(item) == 3:
                 self._show(ts, step, row)
             if write is not None:
-                write(
-                    _dumps(
-                        {
-                            "ts": ts,
-                            "event": "transition",
-                            **common,
-                            "step": step,
-                            "state": dest,
-                            "trigger": trigger,
-                            "source": source,
-                            "dest": dest,
-                        }
-                    )
-                )
+                write(_dumps(transition_event(ts, step, trigger, source, dest, common)))
 
     def write_out(self) -> None:
         """Drain and flush to the file (the bound on what a SIGKILL loses); rotate when it is full."""
@@ -432,6 +419,22 @@ class EventLog:
         if self._compressing is not None:
             self._compressing.join()
             self._compressing = None
+
+
+def transition_event(
+    ts: float, step: int, trigger: str, source: str, dest: str, common: dict[str, Any]
+) -> dict[str, Any]:
+    """A transition as the trail holds it (``common``: rank, run_id, attempt)."""
+    return {
+        "ts": ts,
+        "event": "transition",
+        **common,
+        "step": step,
+        "state": dest,
+        "trigger": trigger,
+        "source": source,
+        "dest": dest,
+    }
 
 
 def notice(console: logging.Logger | logging.LoggerAdapter[logging.Logger], text: str) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm import segments
-from trainfsm.events import FORMAT_VERSION, READABLE_FORMATS
+from trainfsm.events import FORMAT_VERSION, READABLE_FORMATS, transition_event
 from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
 
 try:  # orjson parses a line several times faster than json; both accept the same lines.
@@ -229,24 +229,11 @@ def expand_steps(data: dict[str, Any]) -> list[dict[str, Any]]:
         end += micros / 1e6
         for index in range(data["micro"]):
             trigger, source, dest = ROUTINE_START if index == 0 else ROUTINE_NEXT
-            out.append(_transition(begin, step, trigger, source, dest, common))
+            out.append(transition_event(begin, step, trigger, source, dest, common))
         trigger, source, dest = ROUTINE_END
-        out.append(_transition(end, step, trigger, source, dest, common))
+        out.append(transition_event(end, step, trigger, source, dest, common))
         begin = end
     return out
-
-
-def _transition(ts: float, step: int, trigger: str, source: str, dest: str, common: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "ts": ts,
-        "event": "transition",
-        **common,
-        "step": step,
-        "state": dest,
-        "trigger": trigger,
-        "source": source,
-        "dest": dest,
-    }
 
 
 def _parse(raw: bytes, file: str, number: int, notes: list[Note]) -> dict[str, Any] | None:
