@@ -107,3 +107,15 @@ def test_the_commands_import_no_plotting_library_until_they_plot() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_compact_routine_steps_give_the_same_spans_as_every_transition(tmp_path: Path) -> None:
+    from trainfsm.plot import collect
+
+    run(tmp_path / "compact", steps=8, interval=4, gradient_accumulation_steps=2)
+    run(tmp_path / "full", steps=8, interval=4, gradient_accumulation_steps=2, trail_form="full")
+    compact, _ = collect([tmp_path / "compact"])
+    full, _ = collect([tmp_path / "full"])
+    states = [span[2] for span in compact.spans[0]]
+    assert states == [span[2] for span in full.spans[0]]
+    assert states.count("ACCUMULATE") == 8 and states.count("CHECKPOINT") == 2

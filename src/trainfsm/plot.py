@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm import machine as fsm
-from trainfsm.trail import Note, Record, open_trail
+from trainfsm.trail import Note, Record, expand_steps, open_trail
 
 MISSING_MATPLOTLIB: Final = "trainfsm plot needs matplotlib: pip install 'trainfsm[plot]'"
 
@@ -145,7 +145,11 @@ def collect(inputs: Iterable[Path]) -> tuple[_Timeline, list[Note]]:
     trail = open_trail(inputs)
     timeline = _Timeline()
     for record in trail.records():
-        timeline.add(record)
+        if record.name == "steps":  # a compact run of routine steps: its STEP/ACCUMULATE spans
+            for event in expand_steps(record.data):
+                timeline.add(Record(record.file, record.line, event))
+        else:
+            timeline.add(record)
     timeline.finish()
     return timeline, trail.notes
 
