@@ -11,7 +11,7 @@ scikit-learn``, or the ``demo`` extra). 80% trains, 20% is held out. Three hooks
 - ``CheckpointingHook`` saves under ``WORKSPACE/checkpoints`` (run again to resume);
 - ``ProgressHook`` prints a progress line with the batch accuracy.
 
-The split and the trainer are the ones of ``trainfsm demo`` (``trainfsm.demo``); only the hooks
+The split and the trainer are the ones of ``trainfsm demo`` (``trainfsm.tools.demo``); only the hooks
 differ. At the end it prints the validation accuracy it reached and where the audit trail is.
 """
 
@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainfsm import BaseHook, CheckpointingHook, ProgressHook, ValidationHook
-from trainfsm.demo import DigitsTrainer, load_digits_split
+from trainfsm.tools.demo import DigitsTrainer, load_digits_split
 
 
 class DigitsExampleTrainer(DigitsTrainer):

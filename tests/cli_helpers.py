@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import EVENTS_FILE, TinyTrainer
 from trainfsm import BaseHook, CheckpointingHook
-from trainfsm.cli import main
+from trainfsm.tools.cli import main
 
 USR1 = signal.SIGUSR1
 

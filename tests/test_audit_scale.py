@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from benchmarks.trail import write_trail
 
-from trainfsm import audit as audit_module
-from trainfsm.audit import audit, audit_trail, render
-from trainfsm.cli import main
+from trainfsm.tools import audit as audit_module
+from trainfsm.tools.audit import audit, audit_trail, render
+from trainfsm.tools.cli import main
 from trainfsm.trail import open_trail
 
 

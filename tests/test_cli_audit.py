@@ -32,7 +32,7 @@ from tests.cli_helpers import (
 )
 from tests.helpers import TinyTrainer, make_batches
 from trainfsm import CheckpointingHook
-from trainfsm.audit import PROBLEM_KINDS, RUN_PROBLEM_KINDS, SCHEMA
+from trainfsm.tools.audit import PROBLEM_KINDS, RUN_PROBLEM_KINDS, SCHEMA
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -637,7 +637,7 @@ def test_the_main_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[st
 
 
 def test_every_problem_kind_is_documented() -> None:
-    import trainfsm.audit
+    import trainfsm.tools.audit
 
     for kind in (*PROBLEM_KINDS, *RUN_PROBLEM_KINDS):
-        assert f"``{kind}``" in (trainfsm.audit.__doc__ or "")
+        assert f"``{kind}``" in (trainfsm.tools.audit.__doc__ or "")

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainfsm.cli import main
+from trainfsm.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

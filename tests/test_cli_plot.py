@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.cli_helpers import cli, preempted, read_lines, run, trail, write_lines
-from trainfsm.plot import STATE_COLORS
+from trainfsm.tools.plot import STATE_COLORS
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -72,7 +72,7 @@ def test_plot_draws_loss_and_learning_rate_when_events_carry_them(
 def test_logging_hook_metrics_in_the_trail_give_loss_and_learning_rate_curves(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from trainfsm.hooks.logging_hook import LoggingHook
-    from trainfsm.plot import plot
+    from trainfsm.tools.plot import plot
 
     trainer = run(tmp_path / "run", steps=6, interval=3, hooks=[LoggingHook(interval=2)])
     metrics = [e for e in read_lines(trail(tmp_path / "run")) if e["event"] == "metrics"]
@@ -102,15 +102,15 @@ def test_plot_of_an_unreadable_trail_exits_2(tmp_path: Path, capsys: pytest.Capt
 
 def test_the_commands_import_no_plotting_library_until_they_plot() -> None:
     code = (
-        "import sys, trainfsm, trainfsm.cli, trainfsm.audit, trainfsm.trace, trainfsm.plot, "
-        "trainfsm.inspect_checkpoint; print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"
+        "import sys, trainfsm, trainfsm.tools.cli, trainfsm.tools.audit, trainfsm.tools.trace, trainfsm.tools.plot, "
+        "trainfsm.tools.inspect_checkpoint; print(sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib'))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
 
 
 def test_compact_routine_steps_give_the_same_spans_as_every_transition(tmp_path: Path) -> None:
-    from trainfsm.plot import collect
+    from trainfsm.tools.plot import collect
 
     run(tmp_path / "compact", steps=8, interval=4, gradient_accumulation_steps=2)
     run(tmp_path / "full", steps=8, interval=4, gradient_accumulation_steps=2, trail_form="full")

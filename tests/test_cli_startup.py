@@ -26,7 +26,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [SRC, os.environ
 
 RUN_CLI = """
 import json, sys
-from trainfsm.cli import main
+from trainfsm.tools.cli import main
 try:
     code = main(sys.argv[1:])
 except SystemExit as exc:  # --help
@@ -79,7 +79,7 @@ def test_python_m_trainfsm_audit_imports_no_torch(workspace: Path) -> None:
     done = _python("-X", "importtime", "-m", "trainfsm", "audit", str(workspace))
     assert done.returncode == 0, done.stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
-    assert "trainfsm.audit" in imported  # the listing is there
+    assert "trainfsm.tools.audit" in imported  # the listing is there
     assert [name for name in imported if name.split(".")[0] == "torch"] == []
 
 

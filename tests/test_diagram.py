@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trainfsm import diagram
-from trainfsm.cli import main
 from trainfsm.machine import STATES, TRANSITIONS
+from trainfsm.tools import diagram
+from trainfsm.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MERMAID = ROOT / "diagrams" / "machine.mmd"

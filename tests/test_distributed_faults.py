@@ -40,7 +40,7 @@ from tests.distributed.launch import (
     summary,
 )
 from tests.distributed.worker import LOSS_NONE_AT, reference
-from trainfsm.trace import render, trace
+from trainfsm.tools.trace import render, trace
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
 

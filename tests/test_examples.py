@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import trail_events
-from trainfsm import demo
+from trainfsm.tools import demo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_demo_command_writes_checkpoints_and_audit_trail(tmp_path: Path) -> None
 
 def test_demo_trail_gives_plot_its_loss_and_learning_rate_curves(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from trainfsm.plot import plot
+    from trainfsm.tools.plot import plot
 
     demo.run(tmp_path, steps=20, log_every=5)
     result = plot([tmp_path], tmp_path / "run.png")

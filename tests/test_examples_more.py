@@ -1,5 +1,5 @@
 """The digits, NaN-retry and config-driven examples run end to end, as a user runs them, print what
-they reached, and leave trails that ``trainfsm.audit`` accepts."""
+they reached, and leave trails that ``trainfsm.tools.audit`` accepts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from trainfsm.audit import audit
+from trainfsm.tools.audit import audit
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

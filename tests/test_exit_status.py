@@ -20,7 +20,7 @@ import pytest
 from tests.faults.exit_status import HERE as SCRIPT
 from tests.helpers import TinyTrainer
 from trainfsm import BaseHook
-from trainfsm.audit import audit
+from trainfsm.tools.audit import audit
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="real signals to child processes")
 

@@ -145,7 +145,7 @@ def test_an_exception_on_one_rank_under_max_restarts_ends_in_a_restarted_group_t
 
 
 def test_a_rank_failing_at_every_attempt_stops_after_max_restarts_with_the_failure_named(tmp_path: Path) -> None:
-    from trainfsm import trace
+    from trainfsm.tools import trace
 
     workspace, log = tmp_path / "ws", tmp_path / "log"
     process = elastic_restart.torchrun(workspace, False, 3, log, "trainfsm", "--every-attempt")

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import EVENTS_FILE, TinyTrainer, make_batches, outline, trail_events
 from trainfsm import CheckpointingHook, events, segments
-from trainfsm.audit import audit
+from trainfsm.tools.audit import audit
 from trainfsm.trail import expand_steps
 
 

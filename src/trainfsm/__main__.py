@@ -2,6 +2,6 @@
 
 import sys
 
-from trainfsm.cli import main
+from trainfsm.tools.cli import main
 
 sys.exit(main())

@@ -203,7 +203,7 @@ def summary(trail: Iterable[Mapping[str, Any]], attempt: int | None = None) -> d
 def audit_problems(workspace: Path) -> list[tuple[str, int | None, int | None]]:
     """``trainfsm audit``'s problems with the run's trails: (kind, rank, attempt); [] when consistent
     (its checks include ``rank_disagreement``: steps, retries, checkpoint steps, exit per attempt)."""
-    from trainfsm.audit import audit
+    from trainfsm.tools.audit import audit
 
     return [(p.kind, p.rank, p.attempt) for p in audit([workspace]).problems]
 
@@ -211,14 +211,14 @@ def audit_problems(workspace: Path) -> list[tuple[str, int | None, int | None]]:
 def run_problems(workspace: Path) -> list[tuple[str, int | None, int | None]]:
     """How ``trainfsm audit`` says the run did not end well: (kind, rank, attempt) of its run
     problems (``killed``, ``failed``, ...: about the last attempt only); [] when it ended well."""
-    from trainfsm.audit import audit
+    from trainfsm.tools.audit import audit
 
     return [(p.kind, p.rank, p.attempt) for p in audit([workspace]).run_problems]
 
 
 def killed_ranks(workspace: Path) -> dict[int, list[int]]:
     """Attempt -> the ranks ``trainfsm audit`` reports killed (no exit event), for attempts with any."""
-    from trainfsm.audit import audit
+    from trainfsm.tools.audit import audit
 
     attempts = audit([workspace]).attempts
     return {a.attempt: [k["rank"] for k in a.killed_at()] for a in attempts if a.killed}

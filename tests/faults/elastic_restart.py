@@ -197,7 +197,7 @@ def trial(
     final = torch.load(workspace / "final.pt")
     if not all(torch.equal(a, b) for a, b in zip(final, expected, strict=True)):
         return "final parameters differ from the uninterrupted run"
-    from trainfsm import audit, trace
+    from trainfsm.tools import audit, trace
 
     text = audit.render(audit.audit([workspace]))
     if "torchrun restart 1 of at most 2, after attempt 0 ended: rank 0 " not in text:

@@ -6,8 +6,8 @@ invalid, or an optional dependency is missing); 2 usage error or unreadable inpu
 Each subcommand's help lists its own. Subcommands import their heavier dependencies (torch for
 ``demo`` and ``inspect``, scikit-learn, graphviz, matplotlib) only when they run: ``audit``,
 ``trace``, ``plot`` and ``diagram`` never import torch, so they start in ~0.2 s rather than ~2.5 s
-(``tests/test_cli_startup.py``). The work is done by the library (``trainfsm.audit``, ``trace``,
-``plot``, ``inspect_checkpoint``).
+(``tests/test_cli_startup.py``). The work is done by the modules beside it in ``trainfsm.tools``
+(``audit``, ``trace``, ``plot``, ``inspect_checkpoint``, ``diagram``, ``demo``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from trainfsm import __version__, diagram
+from trainfsm import __version__
+from trainfsm.tools import diagram
 
 if TYPE_CHECKING:
-    from trainfsm.audit import AuditReport
+    from trainfsm.tools.audit import AuditReport
 
 EXIT_OK: Final = 0
 EXIT_FAILURE: Final = 1
@@ -132,7 +133,7 @@ when a later attempt resumed. Problems are listed with FILE:LINE.
 Give a run directory (its logs/events.rank*.jsonl are read: all ranks) or event
 files. A cut-off last line (a killed writer) is noted and tolerated. --json
 prints the report as one JSON object, schema trainfsm.audit/1 (documented in
-the trainfsm.audit module)."""
+the trainfsm.tools.audit module)."""
 
 AUDIT_EXIT_CODES: Final = """\
 exit codes:
@@ -280,7 +281,7 @@ def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         format="%(asctime)s %(message)s",
         datefmt="%H:%M:%S",
     )
-    from trainfsm import demo
+    from trainfsm.tools import demo
 
     try:
         result = demo.run(
@@ -337,7 +338,7 @@ def _positive(text: str) -> int:
 
 
 def _audit(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from trainfsm import audit
+    from trainfsm.tools import audit
     from trainfsm.trail import TrailError
 
     try:
@@ -358,7 +359,7 @@ def _verdict_code(report: AuditReport) -> int:
 
 
 def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from trainfsm import trace
+    from trainfsm.tools import trace
     from trainfsm.trail import TrailError
 
     try:
@@ -371,7 +372,7 @@ def _trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from trainfsm import plot
+    from trainfsm.tools import plot
     from trainfsm.trail import TrailError
 
     title = args.title or ", ".join(str(path) for path in args.inputs)
@@ -399,8 +400,8 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from trainfsm import inspect_checkpoint
     from trainfsm.checkpoint import CheckpointError
+    from trainfsm.tools import inspect_checkpoint
 
     try:
         found = inspect_checkpoint.inspect(args.checkpoint)
