@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from trainfsm.agreement import collective_note, is_collective_error, trails
+from trainfsm.collectives import collective_note, is_collective_error, trails
 
 GLOO_CLOSED = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:9932. "
@@ -52,7 +52,7 @@ def test_note_for_more_ranks_points_at_every_trail_and_without_a_workspace_at_th
 def test_host_flags_use_the_default_group_with_gloo_and_one_gloo_group_under_nccl(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from trainfsm import agreement
+    from trainfsm import collectives as agreement
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -142,11 +142,11 @@ def test_transition_rows_flatten_the_table_in_declaration_order():
 
 
 def test_seed_hooks_are_bound_to_rows_and_states_of_the_table():
-    for bindings in fsm.SEED_TRANSITION_HOOKS.values():
+    for bindings in fsm.HOOKS_ON_TRANSITIONS.values():
         for kind, trigger, source in bindings:
             assert kind in ("prepare", "before", "after")
             assert (trigger, source) in VALID
-    assert fsm.SEED_STATE_HOOKS == {"on_before_step": ("enter", "STEP"), "on_after_train": ("enter", "EXIT")}
+    assert fsm.HOOKS_ON_STATES == {"on_before_step": ("enter", "STEP"), "on_after_train": ("enter", "EXIT")}
 
 
 def test_state_hook_names_cover_enter_and_exit_of_every_state():

@@ -264,3 +264,98 @@ def resume(loader: Iterable[Any], mode: str, saved: dict[str, Any]) -> Resumed:
         mode, why = "none", f"the checkpoint has no data position for {mode!r} (saved with another data_resume)"
     state = epoch_start(loader)
     return done(iter(loader), 0, state, 0)
+
+
+def close_iterator(iterator: Iterator[Any] | None, *, epoch_end: bool = False) -> None:
+    """Close a data iterator: generators run their ``finally``; DataLoader workers shut down,
+    except persistent ones at the end of an epoch (the loader reuses them for the next)."""
+    if iterator is None or (epoch_end and getattr(iterator, "_persistent_workers", False)):
+        return
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()
+        return
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+#: What ``DataCursor.next`` returns once ``max_epochs`` epochs of data are used up.
+EXHAUSTED: Final = object()
+
+
+class DataCursor:
+    """This rank's place in its data: the epoch, the batches drawn in it, the random state that
+    decided its order, and the iterator. ``trainer.epoch`` is the cursor's epoch; a checkpoint
+    saves ``state()`` and RESTORE positions the iterator as a loaded one says (``resume_later``)."""
+
+    def __init__(self) -> None:
+        self.loader: Iterable[Any] | None = None
+        self.max_epochs: int | None = None
+        self.log: Any = None  # the trail's logger (an ``epoch`` event at each new epoch)
+        self.epoch = 0
+        self.batches = 0  # drawn in this epoch
+        self.epoch_rng: dict[str, Any] | None = None
+        self.iterator: Iterator[Any] | None = None
+        self._resume: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
+
+    def attach(self, loader: Iterable[Any], max_epochs: int | None, log: Any) -> None:
+        self.loader, self.max_epochs, self.log = loader, max_epochs, log
+
+    def state(self) -> dict[str, Any]:
+        """This rank's data position (epoch, batches drawn, epoch random state, loader state)."""
+        return capture(self.loader, self.epoch, self.batches, self.epoch_rng)
+
+    def resume_later(self, mode: str, saved: dict[str, Any], rng_state: dict[str, Any] | None) -> None:
+        """Have ``start`` position the iterator as ``saved`` says, then restore ``rng_state``."""
+        self._resume = (mode, saved, rng_state)
+
+    def start(self) -> Resumed | None:
+        """RESTORE's last work: the iterator, positioned when a checkpoint said where (returned,
+        for the trail), else fresh. Random states are back before it exists, so a shuffling
+        loader draws the order it drew before."""
+        if self._resume is None:
+            self.iterator = self._new_iterator()
+            return None
+        mode, saved, rng_state = self._resume
+        resumed = resume(self.loader, mode, saved)  # type: ignore[arg-type]
+        self.iterator, self.batches, self.epoch_rng = resumed.iterator, resumed.batches, resumed.epoch_rng
+        if rng_state is not None:
+            rng.restore(rng_state)
+        return resumed
+
+    def next(self) -> Any:
+        """The next batch, into the next epoch when one ends; ``EXHAUSTED`` after ``max_epochs``."""
+        try:
+            batch = next(self.iterator)  # type: ignore[arg-type]
+            self.batches += 1
+            return batch
+        except StopIteration:
+            pass
+        if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
+            return EXHAUSTED  # the iterator stays open at its end: a checkpoint records that position
+        close_iterator(self.iterator, epoch_end=True)
+        self.epoch += 1
+        self.log.debug("epoch", epoch=self.epoch)
+        self.iterator = self._new_iterator()
+        try:
+            batch = next(self.iterator)
+            self.batches += 1
+            return batch
+        except StopIteration:
+            raise RuntimeError(
+                "build_data_loader() returned an iterable that yields no batches when iterated again "
+                f"(epoch {self.epoch}). Return a re-iterable such as a DataLoader or list, not a "
+                "one-shot iterator or generator object, or make the iterable infinite."
+            ) from None
+
+    def close(self) -> None:
+        iterator, self.iterator = self.iterator, None
+        close_iterator(iterator)
+
+    def _new_iterator(self) -> Iterator[Any]:
+        set_epoch(self.loader, self.epoch)
+        # Once per epoch: the random state that decides this epoch's order, for exact resume.
+        self.epoch_rng = epoch_start(self.loader)
+        self.batches = 0
+        return iter(self.loader)  # type: ignore[arg-type]

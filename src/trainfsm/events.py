@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
@@ -38,7 +39,7 @@ from typing import IO, Any, Final
 import structlog
 
 from trainfsm import segments
-from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
+from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START, ExitReason
 
 try:  # orjson renders an event ~5x faster than json; both give the same JSON lines.
     import orjson
@@ -102,7 +103,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "exit": ("reason", "code"),
 }
 
-EXIT_REASONS: Final = ("completed", "preempted", "failed", "stopped", "interrupted")
+EXIT_REASONS: Final = tuple(reason.value for reason in ExitReason)
 
 #: The trail's forms: routine steps as ``steps`` records, or every transition verbatim (debugging).
 TRAIL_FORMS: Final = ("compact", "full")
@@ -407,8 +408,11 @@ class EventLog:
     def _discard(_: Any, __: str, event: MutableMapping[str, Any]) -> bytes:
         return b""
 
-    def flush(self) -> None:
-        self.write_out()
+    def exception(self, exc: BaseException) -> None:
+        """The ``exception`` event, with the full traceback (a failure in ``train()`` or in EXIT)."""
+        self.log.error(
+            "exception", type=type(exc).__name__, message=str(exc), traceback="".join(traceback.format_exception(exc))
+        )
 
     def close(self) -> None:
         self.drain()

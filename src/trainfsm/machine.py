@@ -14,6 +14,8 @@ on_before_train        leaving RESTORE by ``restored`` (or ``finish`` when the c
 on_before_step         entering STEP, after ``trainer.step`` was advanced to the step being run
 on_before_optimizer_   during ACCUMULATE on a step's last micro-batch: after unscale and clip,
 step                   before ``optimizer.step()``
+on_evaluate            during ACCUMULATE, after a step's optimizer step, before ``wants_stop`` and
+                       ``wants_checkpoint`` are asked (ValidationHook evaluates here)
 on_after_step          ``stepped`` / ``save`` / ``finish`` out of ACCUMULATE: the optimizer step is
                        applied (or skipped by the fp16 grad scaler), before any checkpoint is written
 on_after_train         entering EXIT, on every way out: completed, failed, preempted, stopped
@@ -35,6 +37,7 @@ that compiled and uncompiled dispatch give the same callback order for every row
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from enum import Enum
 from functools import partial
 from typing import Any, Final, cast
 
@@ -73,6 +76,21 @@ TRANSITIONS: Final[tuple[tuple[str, tuple[str, ...], str], ...]] = (
     ("fail", (BUILD, RESTORE, STEP, ACCUMULATE, RETRY, CHECKPOINT), EXIT),  # exception, then re-raise
 )
 
+
+class ExitReason(str, Enum):
+    """Why a run took EXIT: ``trainer.exit_reason`` and the trail's ``exit.reason``.
+
+    A ``str`` enum, so ``trainer.exit_reason == "preempted"`` and JSON keep working as before."""
+
+    COMPLETED = "completed"  # max_steps reached, max_epochs used up, or resumed at max_steps
+    STOPPED = "stopped"  # a hook's wants_stop() said yes (early stopping), or SystemExit(0)
+    PREEMPTED = "preempted"  # an exit signal: checkpoint (if a hook wants), requeue, exit 128+signal
+    FAILED = "failed"  # an exception left train()
+    INTERRUPTED = "interrupted"  # KeyboardInterrupt (Ctrl-C): the process ends with 130
+
+    __str__ = str.__str__  # "preempted", not "ExitReason.PREEMPTED", in messages and f-strings
+
+
 TRIGGERS: Final[tuple[str, ...]] = tuple(trigger for trigger, _, _ in TRANSITIONS)
 
 #: Triggers that take back the step STEP began (it found no data): the trainer's step is one less
@@ -90,7 +108,7 @@ ROUTINE_END: Final = ("stepped", ACCUMULATE, STEP)
 
 #: Seed hook methods bound to transitions: method -> (callback list, trigger, source).
 #: ``on_before_step`` and ``on_after_train`` are state entries and are bound as such.
-SEED_TRANSITION_HOOKS: Final[dict[str, tuple[tuple[str, str, str], ...]]] = {
+HOOKS_ON_TRANSITIONS: Final[dict[str, tuple[tuple[str, str, str], ...]]] = {
     "on_before_train": (("before", "restored", RESTORE), ("before", "finish", RESTORE)),
     "on_after_step": (
         ("before", "stepped", ACCUMULATE),
@@ -98,7 +116,7 @@ SEED_TRANSITION_HOOKS: Final[dict[str, tuple[tuple[str, str, str], ...]]] = {
         ("before", "finish", ACCUMULATE),
     ),
 }
-SEED_STATE_HOOKS: Final[dict[str, tuple[str, str]]] = {
+HOOKS_ON_STATES: Final[dict[str, tuple[str, str]]] = {
     "on_before_step": ("enter", STEP),
     "on_after_train": ("enter", EXIT),
 }

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainfsm.agreement import Agreement
+from trainfsm import collectives
+from trainfsm.collectives import LossNoneAgreement
 
 MIXED_PRECISION_DTYPES: dict[str | None, torch.dtype | None] = {
     None: None,
@@ -90,18 +91,11 @@ class FiniteCheck:
                 total = math.inf
         non_finite = not math.isfinite(total)
         if self.sharded:
-            non_finite = self._on_any_rank(non_finite)
+            # Each rank checked only its own shard: a NaN in one rank's shard must reach the
+            # others, or that rank retries while they step. One all-reduce (MAX) of one flag.
+            self._flag.fill_(1.0 if non_finite else 0.0)
+            non_finite = collectives.any_rank(self._flag)
         return non_finite
-
-    def _on_any_rank(self, non_finite: bool) -> bool:
-        """Sharded gradients (FSDP2 DTensors): each rank checked only its own shard, so a NaN in
-        one rank's shard must reach the others, or that rank retries while they step. One
-        all-reduce (MAX) of a one-element flag; every rank then takes the same transition."""
-        import torch.distributed as dist
-
-        self._flag.fill_(1.0 if non_finite else 0.0)
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
-        return bool(self._flag.item())  # host sync: stepping or retrying is the host's decision
 
 
 class Stepper:
@@ -119,7 +113,7 @@ class Stepper:
         accumulation: int,
         grad_clip: float | None,
         no_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None,
-        agreement: Agreement | None = None,
+        agreement: LossNoneAgreement | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -152,7 +146,7 @@ class Stepper:
 
         With ``loss_none_agreement`` (an ``agreement``), the ranks agree between forward and backward: the
         loss is None on every rank when it was None on any, so nobody runs backward and DDP's
-        gradient all-reduces stay paired (one small host collective, see ``trainfsm.agreement``).
+        gradient all-reduces stay paired (one small host collective, see ``trainfsm.collectives``).
         """
         if self.no_sync is not None and not last:
             with self.no_sync():
@@ -246,17 +240,3 @@ def _check_forward_result(out: Any) -> tuple[torch.Tensor | None, Any]:
         f"{f' of length {len(out)}' if isinstance(out, tuple) else ''}. "
         f"Return e.g. `return loss, {{'accuracy': acc}}` (records may be an empty dict)."
     )
-
-
-def close_iterator(iterator: Iterator[Any] | None, *, epoch_end: bool = False) -> None:
-    """Close a data iterator: generators run their ``finally``; DataLoader workers shut down,
-    except persistent ones at the end of an epoch (the loader reuses them for the next)."""
-    if iterator is None or (epoch_end and getattr(iterator, "_persistent_workers", False)):
-        return
-    close = getattr(iterator, "close", None)
-    if close is not None:
-        close()
-        return
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import torch.distributed as dist
 
@@ -65,3 +66,20 @@ def default_group_kept_alive() -> bool:
     world = dist.group.WORLD
     broadcast = getattr(module, "broadcast", None)
     return any(value is world for value in (getattr(broadcast, "__defaults__", None) or ()))
+
+
+def load_model_and_optimizer(model: Any, optimizer: Any, model_state: Any, optim_state: Any, options: Any) -> None:
+    """``set_state_dict`` of torch.distributed.checkpoint, except where torch cannot do it.
+
+    An optimizer that keeps no tensor state (SGD without momentum) given a full optimizer state
+    dict: torch's ``set_state_dict`` cannot scatter it (it asserts "Expected device to be set",
+    torch 2.13), and its param groups are all there is to load, so they are set directly. Can go
+    when torch loads such a state (``tests/test_fsdp.py`` covers it)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if options is not None and options.full_state_dict and not optim_state.get("state"):
+        set_model_state_dict(model, model_state, options=options)
+        for group, saved in zip(optimizer.param_groups, optim_state["param_groups"], strict=True):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        return
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)

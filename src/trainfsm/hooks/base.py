@@ -8,14 +8,24 @@ table of what fires where.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from trainfsm import machine as fsm
+
 if TYPE_CHECKING:
+    from trainfsm.preemption import ExitPolicy
     from trainfsm.trainer import BaseTrainer
 
 
 class BaseHook:
     """Lifecycle hooks for ``BaseTrainer``; override the methods you need."""
+
+    #: Signals on which the run should end cleanly (checkpoint, requeue, exit 128+signal), declared
+    #: by a hook: the first hook whose policy names signals decides, unless the trainer's
+    #: ``set_exit_signals()`` did. ``CheckpointingHook`` sets it from its ``exit_*`` arguments;
+    #: build one with ``trainfsm.preemption.exit_policy``. None: this hook has no say.
+    exit_policy: ExitPolicy | None = None
 
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Once, after RESTORE: the trainer is built and resumed, before the first step."""
@@ -49,6 +59,11 @@ class BaseHook:
     def on_load_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
         """Restore this hook's state from ``state_dict`` (a checkpoint is being loaded)."""
 
+    def on_evaluate(self, trainer: BaseTrainer) -> None:
+        """After each optimizer step, before the trainer decides how to go on: the place to
+        evaluate, so a result can still change this step's decision (``wants_stop`` and
+        ``wants_checkpoint`` are asked after every hook's ``on_evaluate``)."""
+
     def wants_checkpoint(self, trainer: BaseTrainer) -> bool:
         """Asked after each optimizer step: should the machine go through CHECKPOINT now?"""
         return False
@@ -62,3 +77,21 @@ def overrides(hook: BaseHook, name: str) -> bool:
     """Whether ``hook`` defines ``name`` itself rather than inheriting BaseHook's no-op."""
     method = getattr(type(hook), name, None)
     return method is not None and method is not getattr(BaseHook, name, None)
+
+
+def bindings(hook: BaseHook) -> list[tuple[str, str | tuple[str, str], Callable[..., Any]]]:
+    """Where ``hook``'s methods go on the machine, in binding order: (``"before"``/``"enter"``/...,
+    a state or a (trigger, source) transition, the bound method). Seed methods count only when
+    overridden; ``on_enter_<state>`` / ``on_exit_<state>`` whenever the hook has them."""
+    found: list[tuple[str, str | tuple[str, str], Callable[..., Any]]] = []
+    for name, targets in fsm.HOOKS_ON_TRANSITIONS.items():
+        if overrides(hook, name):
+            found += [(kind, (trigger, source), getattr(hook, name)) for kind, trigger, source in targets]
+    for name, (kind, state) in fsm.HOOKS_ON_STATES.items():
+        if overrides(hook, name):
+            found.append((kind, state, getattr(hook, name)))
+    for name, kind, state in fsm.state_hook_names():
+        method = getattr(hook, name, None)
+        if method is not None:
+            found.append((kind, state, method))
+    return found

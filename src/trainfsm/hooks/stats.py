@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm import validation as check
+from trainfsm import arguments as check
 from trainfsm.hooks.base import BaseHook
 from trainfsm.utils import key_average
 

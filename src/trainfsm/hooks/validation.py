@@ -1,14 +1,13 @@
 """``ValidationHook``: evaluate every ``interval`` steps and log the results under a ``val`` namespace.
 
 When: after the optimizer step of every ``interval``-th step, and after the last step
-(``max_steps``) so the final weights are always evaluated. It runs at the step's *decision point*:
-the trainer asks each hook ``wants_stop`` after the step is applied and before it decides to go on,
-checkpoint or stop, and this hook evaluates there (and always answers no). That is the only place
-where a result can still change this step's decision: an ``EarlyStoppingHook`` listed after this
-hook sees the value and can ask for a checkpoint of exactly these weights or stop at this step.
-(``on_after_step`` fires once the decision is taken.) The trainer reads pending exit signals just
-before it asks, so a signal that arrives during an evaluation is acted on at the end of the next
-step, like one that arrives during a checkpoint write.
+(``max_steps``) so the final weights are always evaluated. It runs at the step's *decision point*,
+``on_evaluate``: after the step is applied and before the trainer asks the hooks ``wants_stop`` and
+``wants_checkpoint``. That is the only place where a result can still change this step's decision:
+an ``EarlyStoppingHook`` sees the value and can ask for a checkpoint of exactly these weights or
+stop at this step, wherever it is in the hook list. (``on_after_step`` fires once the decision is
+taken.) The trainer reads pending exit signals after the evaluation, so a signal that arrives
+during one is acted on at this step.
 
 How: ``model.eval()`` under ``torch.no_grad()`` (and the trainer's autocast when it uses mixed
 precision); afterwards every submodule gets back the train/eval mode it had, and the random states
@@ -117,12 +116,11 @@ class ValidationHook(BaseHook):
         if dtype is not None:  # evaluate the way forward runs in training (one object, re-entered)
             self._autocast = torch.autocast(device_type=trainer.device.type, dtype=dtype)
 
-    def wants_stop(self, trainer: BaseTrainer) -> bool:
-        """Evaluate at this step's decision point when it is due; never asks to stop."""
+    def on_evaluate(self, trainer: BaseTrainer) -> None:
+        """Evaluate at this step's decision point when it is due."""
         step = trainer.step
         if step % self.interval == 0 or step == trainer.max_steps:
             self.validate(trainer)
-        return False
 
     def validate(self, trainer: BaseTrainer) -> dict[str, Any]:
         """Evaluate now, log the results under ``name`` and return them."""

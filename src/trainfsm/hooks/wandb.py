@@ -36,6 +36,7 @@ import torch
 
 from trainfsm.hooks.base import BaseHook
 from trainfsm.hooks.image_files import check_image_format, flatten, optional_import, resolve_format, to_pil
+from trainfsm.machine import ExitReason
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -121,7 +122,7 @@ class WandbHook(BaseHook):
         self._finished = True
         code = trainer.exit_code if trainer.exit_code is not None else 1
         try:
-            if trainer.exit_reason == "preempted":
+            if trainer.exit_reason is ExitReason.PREEMPTED:
                 run.mark_preempting()
             run.finish(exit_code=code)
         finally:

@@ -1,25 +1,37 @@
-"""Exit signals as machine transitions: record in the handler, act at the next safe point.
+"""Preemption: everything about ending a run cleanly on a signal, in one module and one object.
+
+``Preemption`` is created by ``train()`` before anything else and stopped at its end. It owns the
+exit policy (from ``set_exit_signals()`` or the first hook that declares one through
+``BaseHook.exit_policy``), the handlers (``SignalWatcher``), the cross-rank agreement on a pending
+signal, the SLURM requeue and the exit wait. The trainer asks it three questions, each at a safe
+point of the machine, and acts on the answer with a transition:
+
+- ``before_training()`` at the end of BUILD and of RESTORE: leave by ``preempt``?
+- ``at_step_end(step)`` after every optimizer step: checkpoint (if a hook wants), then ``finish``?
+- ``at_exit(preempted)`` entering EXIT: report what arrived, requeue the job (rank 0, SLURM).
 
 A scheduler's signal (SLURM's ``--signal=B:USR1@120``, a ``SIGTERM`` before a kill) can arrive at
 any instant: inside a kernel launch, a checkpoint write, a collective. The handler therefore only
 records which signal came, when, and in which state; it does no I/O, takes no lock and starts no
-collective. The trainer looks at the record at the end of every optimizer step and, once all ranks
-agree that a signal is pending, takes ``save`` to CHECKPOINT and ``finish`` to EXIT with reason
-``preempted``; a signal during BUILD or RESTORE takes ``preempt`` straight to EXIT.
+collective: the handler records, the machine acts at the next safe point. The trainer looks at the
+record at the end of every optimizer step and, once all ranks agree that a signal is pending, takes
+``save`` to CHECKPOINT and ``finish`` to EXIT with reason ``preempted``; a signal during BUILD or
+RESTORE takes ``preempt`` straight to EXIT.
 
 Across ranks a signal that reached only one rank still stops every rank at the same step: one small
 all-reduce per step carries it, started when the step begins and waited for when it ends
-(``trainfsm.agreement.SignalAgreement``), or, with ``loss_none_agreement=True``, it rides on the
-all-reduce that agrees on each micro-batch before its backward.
+(``trainfsm.collectives.SignalAgreement``); at the end of BUILD and RESTORE one blocking one, or,
+with ``loss_none_agreement=True``, it rides on the all-reduce that agrees on each micro-batch
+before its backward.
 
 From the first line of ``train()`` to its last no exit signal is lost. The policy (which signals,
-which code) may come from ``CheckpointingHook(exit_signals=...)``, known only once ``build_hooks()``
-returned, but a scheduler may signal while the model is still being built. So ``train()`` first
-*holds* the signals schedulers send (``HELD_SIGNALS``: SIGTERM, SIGUSR1, SIGUSR2) and any that
-``set_exit_signals()`` named: their arrivals are recorded, nothing acts yet. Once the policy is
-known (``SignalWatcher.decide``), a held signal it names becomes pending (BUILD then takes
-``preempt``), and every other held signal gets back the disposition it had before ``train()`` and,
-if it arrived meanwhile, is raised again: it kills the process, is ignored or runs the user's
+which code) may come from ``CheckpointingHook(exit_signals=...)``, known only once
+``build_hooks()`` returned, but a scheduler may signal while the model is still being built. So
+``train()`` first *holds* the signals schedulers send (``HELD_SIGNALS``: SIGTERM, SIGUSR1, SIGUSR2)
+and any that ``set_exit_signals()`` named: their arrivals are recorded, nothing acts yet. Once the
+policy is known (``SignalWatcher.decide``), a held signal it names becomes pending (BUILD then
+takes ``preempt``), and every other held signal gets back the disposition it had before ``train()``
+and, if it arrived meanwhile, is raised again: it kills the process, is ignored or runs the user's
 handler, as it would have without trainfsm, only later. SIGINT is held only when
 ``set_exit_signals()`` names it, so that Ctrl-C during a long build is not delayed.
 """
@@ -35,7 +47,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from trainfsm import collectives, slurm
+from trainfsm.collectives import SignalAgreement
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from trainfsm.collectives import LossNoneAgreement
+    from trainfsm.hooks.base import BaseHook
 
 ExitCode = int | Literal["128+signal"]
 
@@ -247,3 +268,148 @@ class SignalWatcher:
         """``exit_wait``: a further signal cuts it short."""
         self._wake.clear()
         self._wake.wait(seconds)
+
+
+class Preemption:
+    """Signals in, exit codes and a requeue out. Created by ``train()`` before anything else."""
+
+    def __init__(self, policy: ExitPolicy | None, where: Any) -> None:
+        #: ``set_exit_signals()``'s policy; else, after BUILD, the first hook's that names signals.
+        self.policy = policy
+        own = policy.signals if policy is not None else ()
+        #: Which signals were ignored, blocked or pending as ``train()`` began (``run_start``).
+        self.at_start = state_at_start((*REPORTED_SIGNALS, *own))
+        self.watcher = SignalWatcher(where)  # ``where``: the trainer, whose step and state it records
+        self.watcher.install(dict.fromkeys((*HELD_SIGNALS, *own)))
+        if policy is not None:
+            self.watcher.acting = frozenset(own)
+        self._launcher_death = on_launcher_death(signal.SIGTERM)  # torchrun died: workers must not train on
+        self.log: Any = None  # the trail's logger, once the trail is open
+        self.rank, self.world = 0, 1
+        self.job: slurm.SlurmJob | None = None
+        self.requeued = False
+        self._step_agreement: SignalAgreement | None = None
+        # The signal pending on any rank at the end of a step: this rank's own, the step's signal
+        # all-reduce, or the last micro-batch agreement's. Chosen in ``decide``, read once per step.
+        self._pending: Callable[[], int] = self._local
+
+    def _local(self) -> int:
+        return self.watcher.pending
+
+    def open_trail(self, log: Any, rank: int, world: int, job: slurm.SlurmJob | None) -> None:
+        self.log, self.rank, self.world, self.job = log, rank, world, job
+
+    def stop(self) -> None:
+        """The end of ``train()``: the handlers and parent-death signal it found are back."""
+        restore_launcher_death(self._launcher_death)
+        self.watcher.restore()
+
+    # ---------------------------------------------------------------- BUILD
+    def decide(self, hooks: Sequence[BaseHook], agreement: LossNoneAgreement | None) -> ExitPolicy | None:
+        """The hooks exist: settle the policy, act on the held signals it names, pass the others
+        on, and choose how a pending signal reaches every rank. Returns the policy."""
+        if self.policy is None:
+            self.policy = next((h.exit_policy for h in hooks if h.exit_policy and h.exit_policy.signals), None)
+        self._decide_held()
+        if self.policy is not None:
+            if not self.watcher.installed_any:
+                self.log.warning("signals_not_installed", reason="train() is not running in the main thread")
+            if self.world > 1 and agreement is None:
+                self._step_agreement = SignalAgreement()
+                self._pending = self._step_agreement.result
+        if agreement is not None:  # the signal rides on its all-reduce, with or without a policy
+            self._pending = lambda: agreement.signal
+        return self.policy
+
+    def _decide_held(self) -> None:
+        """The policy is known (or BUILD failed before it was): act on the signals it names; a
+        held signal it does not name gets its old disposition back and, if it came meanwhile, is
+        raised again here, after the trail says so (it may end the process at once)."""
+        if self.watcher.acting is not None:
+            return
+        policy = self.policy
+        for arrival, how in self.watcher.decide(policy.signals if policy is not None else ()):
+            name = signal.Signals(arrival.signum).name
+            self.log.warning(
+                "signal_passed_on", signal=name, received_at=arrival.at, at_state=arrival.state, disposition=how
+            )
+            signal.raise_signal(arrival.signum)
+
+    # ---------------------------------------------------------------- the questions
+    def before_training(self) -> int | None:
+        """A signal during BUILD or RESTORE: the exit code to leave by ``preempt`` with, or None.
+
+        With several ranks they agree first (one blocking all-reduce, at the end of BUILD and of
+        RESTORE only), so a signal that reached one rank alone stops every rank here: a rank
+        leaving alone would strand the others in their next collective, and only rank 0 requeues.
+        """
+        pending = self.watcher.pending
+        if self.policy is not None:
+            pending = collectives.max_over_ranks(pending)
+        return self._preempted_by(pending) if pending else None
+
+    def step_began(self) -> None:
+        if self._step_agreement is not None:  # overlaps the step's work; waited for at its end
+            self._step_agreement.start(self.watcher.pending)
+
+    def at_step_end(self, step: int) -> int | None:
+        """After the optimizer step: the exit code if a signal is pending on any rank, else None."""
+        pending = self._pending()
+        if not pending:
+            return None
+        code = self._preempted_by(pending)
+        self.log.info("signal_agreed", signal=signal.Signals(pending).name, agreed_step=step)
+        return code
+
+    def end_step_agreement(self) -> None:
+        """The step ends without its optimizer step (the data ran out): collect the step's
+        all-reduce so no rank leaves one behind. The run is complete; the signal changes nothing."""
+        self._pending()
+
+    def _preempted_by(self, signum: int) -> int:
+        self.report()
+        return self.policy.exit_code(signum) if self.policy is not None else 128 + signum
+
+    def report(self) -> None:
+        """Record the arrivals not yet in the trail."""
+        for arrival in self.watcher.take_new():
+            self.log.warning(
+                "signal_received",
+                signal=signal.Signals(arrival.signum).name,
+                received_at=arrival.at,
+                at_step=arrival.step,
+                at_state=arrival.state,
+            )
+
+    # ---------------------------------------------------------------- EXIT
+    def at_exit(self, preempted: bool) -> None:
+        """Entering EXIT's own work, after the hooks' (the checkpoint is durable by then)."""
+        self._decide_held()  # BUILD failed before the policy was known: held signals are passed on
+        self.report()
+        if preempted and self.rank == 0:
+            self._requeue()
+
+    def _requeue(self) -> None:
+        policy, job = self.policy, self.job
+        if policy is None or job is None or policy.requeue is False:
+            return
+        if policy.requeue == "auto" and not slurm.is_batch_job(job.job_id):
+            return
+        if policy.max_requeues is not None and job.restart_count >= policy.max_requeues:
+            self.log.error(
+                "requeue",
+                command=None,
+                ok=False,
+                message=f"not requeued: SLURM_RESTART_COUNT={job.restart_count} reached max_requeues="
+                f"{policy.max_requeues}",
+            )
+            return
+        result = slurm.requeue(job)
+        self.requeued = result.ok
+        log = self.log.info if result.ok else self.log.error
+        log("requeue", command=" ".join(result.command), ok=result.ok, message=result.message)
+
+    def wait_before_exit(self) -> None:
+        """``exit_wait`` (e.g. let SLURM record TIMEOUT, not FAILED); none after a requeue."""
+        if self.policy is not None and self.policy.wait and not self.requeued:
+            self.watcher.sleep(self.policy.wait)

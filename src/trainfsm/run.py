@@ -1,0 +1,150 @@
+"""One call of ``train()``: the state its machine's states share, and the trail's first record.
+
+``BaseTrainer`` keeps what the user configured and what users' code reads (``step``,
+``step_info``, ``exit_reason``, the built components); everything that exists only while
+``train()`` runs lives in one ``Run``, created by ``train()``, so no attribute appears on the
+trainer after ``__init__``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainfsm import collectives, slurm
+from trainfsm.events import FLUSH_SECONDS, FORMAT_VERSION, EventLog, new_run_id, previous_attempt
+from trainfsm.machine import ExitReason
+from trainfsm.preemption import Preemption
+
+if TYPE_CHECKING:
+    from transitions import Machine
+
+    from trainfsm.collectives import LossNoneAgreement
+    from trainfsm.step import Stepper
+    from trainfsm.trainer import BaseTrainer
+
+
+@dataclass(slots=True, eq=False)
+class Run:
+    machine: Machine
+    events: EventLog
+    preemption: Preemption
+    logs: Path | None  # the workspace's logs directory (the trail), None without a workspace
+    # Set in BUILD.
+    stepper: Stepper | None = None
+    agreement: LossNoneAgreement | None = None  # loss_none_agreement with several ranks
+    warn_loss_none: bool = False  # the model is a DDP/FSDP wrapper
+    before_optimizer_step: list[Callable[[], None]] = field(default_factory=list)
+    evaluators: list[Callable[[], None]] = field(default_factory=list)
+    checkpoint_askers: list[Callable[[], bool]] = field(default_factory=list)
+    stop_askers: list[Callable[[], bool]] = field(default_factory=list)
+    # The step in flight (reset as it begins; a retry resets micro, losses and records).
+    micro: int = 0
+    retries: int = 0
+    losses: list[torch.Tensor] = field(default_factory=list)
+    records: list[Any] = field(default_factory=list)
+    data_times: list[float] = field(default_factory=list)
+    step_start: float = 0.0
+    # EXIT: failures of EXIT's own work (raised once it is done), and the exception leaving train().
+    exit_errors: list[BaseException] = field(default_factory=list)
+    failure: BaseException | None = None
+
+
+def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, Path | None]:
+    """The trail of this attempt, with its ``run_start`` record. Sets the trainer's ``rank``,
+    ``world_size``, ``run_id``, ``attempt`` and ``slurm`` (a later attempt keeps the run id)."""
+    rank, world = collectives.rank_and_world()
+    logs = trainer.workspace / "logs" if trainer.workspace else None
+    path = logs / f"events.rank{rank}.jsonl" if logs else None
+    previous = previous_attempt(path) if path else None
+    run_id, attempt = (previous[0], previous[1] + 1) if previous else (new_run_id(), 0)
+    trainer.run_id, trainer.attempt = collectives.share_run_id(run_id, attempt)
+    trainer.rank, trainer.world_size = rank, world
+    events = EventLog(
+        path=path,
+        console=trainer.logger,
+        rank=rank,
+        run_id=trainer.run_id,
+        attempt=trainer.attempt,
+        progress=lambda: (trainer.step, trainer.state),
+        owner=trainer,
+        form=trainer.trail_form,
+    )
+    trainer.audit = events.log
+    trainer.slurm = slurm.detect()
+    preemption.open_trail(events.log, rank, world, trainer.slurm)
+    events.log.info(
+        "run_start",
+        format=FORMAT_VERSION,
+        world_size=world,
+        max_steps=trainer.max_steps,
+        slurm=trainer.slurm.as_event() if trainer.slurm else None,
+        signals=preemption.at_start,
+        torchelastic=_torchelastic(),
+        trail={"form": trainer.trail_form, "flush_seconds": FLUSH_SECONDS, "segment_bytes": events.segment_bytes},
+        versions={"trainfsm": _version(), "torch": torch.__version__, "python": platform.python_version()},
+        config={
+            "grad_clip": trainer.grad_clip,
+            "max_non_finite_grad_retries": trainer.max_non_finite_grad_retries,
+            "mixed_precision": trainer.mixed_precision,
+            "device": str(trainer.device),
+            "gradient_accumulation_steps": trainer.gradient_accumulation_steps,
+            "workspace": str(trainer.workspace) if trainer.workspace else None,
+            "max_epochs": trainer.max_epochs,
+            "loss_none_agreement": trainer.loss_none_agreement,
+        },
+    )
+    return events, logs
+
+
+def new_step(run: Run) -> None:
+    """A step begins: fresh lists (a hook may keep the previous step's until its interval ends)."""
+    run.micro = run.retries = 0
+    run.losses, run.records, run.data_times = [], [], []
+    run.step_start = time.perf_counter()
+
+
+def exit_status(exc: BaseException) -> tuple[ExitReason, int]:
+    """The exit reason, and the status the process ends with once ``exc`` leaves ``train()``
+    uncaught: the trail's exit code is the one the shell sees.
+
+    Python re-raises an uncaught KeyboardInterrupt by killing itself with SIGINT (the shell sees
+    128 + 2); it exits with a SystemExit's code (None: 0; an int, modulo 256 as the OS keeps it;
+    anything else is printed and gives 1); any other exception gives 1."""
+    if isinstance(exc, KeyboardInterrupt):
+        return ExitReason.INTERRUPTED, 128 + signal.SIGINT
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        status = 0 if code is None else int(code) & 0xFF if isinstance(code, int) else 1
+        return (ExitReason.FAILED if status else ExitReason.STOPPED), status
+    return ExitReason.FAILED, 1
+
+
+def _torchelastic() -> dict[str, Any] | None:
+    """torchrun's attempt: which restart this is (0 for the first launch) of how many allowed."""
+    from trainfsm.distributed import elastic_restart
+
+    restart = elastic_restart()
+    if restart is None:
+        return None
+    env = os.environ
+    maximum = env.get("TORCHELASTIC_MAX_RESTARTS", "")
+    return {
+        "restart_count": restart,
+        "max_restarts": int(maximum) if maximum.isdigit() else None,
+        "run_id": env.get("TORCHELASTIC_RUN_ID"),
+    }
+
+
+def _version() -> str:
+    from trainfsm import __version__
+
+    return __version__
