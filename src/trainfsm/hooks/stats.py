@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainfsm import arguments as check
+from trainfsm import collectives
 from trainfsm.hooks.base import BaseHook
 from trainfsm.utils import key_average
 
@@ -264,8 +265,6 @@ class IntervalStats:
     def _all_reduce(
         self, names: list[str], tensors: list[torch.Tensor], host: list[float], device: torch.device, step: int
     ) -> list[float]:
-        import torch.distributed as dist
-
         key = tuple(names)
         if key != self._names:
             self._names = key
@@ -275,7 +274,7 @@ class IntervalStats:
         # collective. The checksum and its square come last, to check the keys below.
         tail = torch.tensor([*host, signature, signature * signature], dtype=torch.float64).to(device, _wide(device))
         packed = torch.cat([torch.stack(tensors), tail]) if tensors else tail
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM)  # the interval's one collective
+        collectives.sum_over_ranks(packed)  # the interval's one collective
         sums: list[float] = packed.tolist()  # host sync: once per interval
         total, squares = sums[-2], sums[-1]
         # Exact integers in float64: total**2 == world * squares holds only when every rank's

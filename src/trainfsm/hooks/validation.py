@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm import rng
+from trainfsm import collectives, rng
 from trainfsm.hooks.base import BaseHook
 from trainfsm.step import MIXED_PRECISION_DTYPES
 from trainfsm.utils import key_average, map_nested_tensor
@@ -175,9 +175,6 @@ def _replace_numbers(results: Mapping[str, Any], means: Iterator[float]) -> dict
 
 def _mean_over_ranks(results: dict[str, Any], world_size: int, device: torch.device) -> dict[str, Any]:
     """Every number in ``results`` replaced by its mean over the ranks: one ``all_reduce``."""
-    import torch.distributed as dist
-
-    packed = torch.tensor(list(_numbers(results)), dtype=torch.float64, device=device)
-    dist.all_reduce(packed)
+    packed = collectives.sum_over_ranks(torch.tensor(list(_numbers(results)), dtype=torch.float64, device=device))
     means = (packed / world_size).tolist()  # host read: once per evaluation
     return _replace_numbers(results, iter(means))

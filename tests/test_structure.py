@@ -1,0 +1,81 @@
+"""The code's shape as the spec states it: one concern, one place (issue 17).
+
+- the trainer keeps its own state in attributes declared in ``__init__``; a run's state lives in
+  ``trainfsm.run.Run`` (what ``train()`` adds to the trainer is only what ``transitions`` attaches
+  to its model: ``state``, the triggers and their ``is_`` / ``may_`` helpers);
+- hooks declare an exit policy through ``BaseHook.exit_policy``, not by duck typing;
+- collectives are run from ``trainfsm.collectives`` only;
+- exit reasons are ``ExitReason`` members everywhere.
+"""
+
+from __future__ import annotations
+
+import ast
+import signal
+from pathlib import Path
+
+from tests.helpers import TinyTrainer, read_events
+from trainfsm import BaseHook, CheckpointingHook
+from trainfsm.machine import STATES, TRIGGERS, ExitReason
+from trainfsm.preemption import exit_policy
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "trainfsm"
+
+#: What transitions' ``Machine(model=...)`` attaches to the model.
+MACHINE_ATTRIBUTES = {
+    "state",
+    "trigger",
+    "may_trigger",
+    *TRIGGERS,
+    *(f"may_{t}" for t in TRIGGERS),
+    *(f"is_{s}" for s in STATES),
+}
+
+
+def test_train_adds_no_attribute_of_its_own_to_the_trainer(tmp_path):
+    trainer = TinyTrainer(max_steps=3, workspace=tmp_path)
+    before = set(vars(trainer))
+    trainer.train()
+    assert set(vars(trainer)) - before <= MACHINE_ATTRIBUTES
+
+
+def test_a_hooks_exit_policy_attribute_decides_the_exit_signals(tmp_path):
+    class Policy(BaseHook):
+        exit_policy = exit_policy("Policy", [signal.SIGUSR2])
+
+    trainer = TinyTrainer(max_steps=2, workspace=tmp_path, hooks=[Policy()])
+    trainer.train()
+    assert trainer.exit_policy is not None and trainer.exit_policy.signals == (signal.SIGUSR2,)
+
+
+def test_a_hook_without_an_exit_policy_has_none_and_the_checkpoint_hook_declares_one():
+    assert BaseHook().exit_policy is None
+    assert CheckpointingHook(interval=10).exit_policy is not None
+
+
+def test_exit_reasons_are_exit_reason_members_and_the_trail_holds_their_value(tmp_path):
+    trainer = TinyTrainer(max_steps=2, workspace=tmp_path)
+    trainer.train()
+    assert trainer.exit_reason is ExitReason.COMPLETED and trainer.exit_reason == "completed"
+    assert [e["reason"] for e in read_events(tmp_path) if e["event"] == "exit"] == ["completed"]
+
+
+def _calls(tree: ast.AST) -> set[str]:
+    return {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "dist"
+    }
+
+
+def test_only_the_collectives_module_runs_collectives():
+    collective = {"all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier"}
+    runs = {
+        path.relative_to(SRC).as_posix()
+        for path in SRC.rglob("*.py")
+        if _calls(ast.parse(path.read_text())) & collective
+    }
+    assert runs == {"collectives.py"}
