@@ -79,3 +79,11 @@ def test_only_the_collectives_module_runs_collectives():
         if _calls(ast.parse(path.read_text())) & collective
     }
     assert runs == {"collectives.py"}
+
+
+def test_every_public_name_has_one_source_and_resolves():
+    import trainfsm
+
+    assert set(trainfsm.__all__) == {*trainfsm._SOURCES, "__version__"}
+    for name in trainfsm._SOURCES:
+        assert getattr(trainfsm, name) is getattr(__import__(trainfsm._SOURCES[name], fromlist=[name]), name)

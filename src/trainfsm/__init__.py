@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from trainfsm.checkpoint import CheckpointError
+    from trainfsm.collectives import LossNoneWarning
     from trainfsm.hooks import (
         BaseHook,
         CheckpointingHook,
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     )
     from trainfsm.machine import STATES, TRANSITIONS
     from trainfsm.torch_workarounds import GroupOutlivesDestroyWarning
-    from trainfsm.trainer import BaseTrainer, LossNoneWarning
+    from trainfsm.trainer import BaseTrainer
     from trainfsm.utils import key_average, map_nested_tensor, unwrap
 
 __version__ = "0.1.0"
@@ -66,7 +67,7 @@ _SOURCES: Final = {
     ),
     "GroupOutlivesDestroyWarning": "trainfsm.torch_workarounds",
     "BaseTrainer": "trainfsm.trainer",
-    "LossNoneWarning": "trainfsm.trainer",
+    "LossNoneWarning": "trainfsm.collectives",
     "key_average": "trainfsm.utils",
     "map_nested_tensor": "trainfsm.utils",
     "unwrap": "trainfsm.utils",
