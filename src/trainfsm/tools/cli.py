@@ -25,7 +25,7 @@ from trainfsm import __version__
 from trainfsm.tools import diagram
 
 if TYPE_CHECKING:
-    from trainfsm.tools.audit import AuditReport
+    from trainfsm.tools.report import AuditReport
 
 EXIT_OK: Final = 0
 EXIT_FAILURE: Final = 1
@@ -133,7 +133,7 @@ when a later attempt resumed. Problems are listed with FILE:LINE.
 Give a run directory (its logs/events.rank*.jsonl are read: all ranks) or event
 files. A cut-off last line (a killed writer) is noted and tolerated. --json
 prints the report as one JSON object, schema trainfsm.audit/1 (documented in
-the trainfsm.tools.audit module)."""
+the trainfsm.tools.report module)."""
 
 AUDIT_EXIT_CODES: Final = """\
 exit codes:

@@ -5,7 +5,7 @@ last record): with several ranks, the cause (the earliest exception on a rank th
 a collective because of another); on each rank, the last N events before the end, the state and
 step where the trail ends, every exception with its traceback; then what the next attempt did
 (resumed from which checkpoint, skipped which, or started afresh). It ends with the audit's
-verdict (``trainfsm.tools.audit.verdict``): is the trail consistent, did the run end well.
+verdict (``trainfsm.tools.report.verdict``): is the trail consistent, did the run end well.
 
 The trail is read once: the audit's replay gives the attempts' outcome, and a bounded tail per rank
 and attempt keeps the last events, so a week-long trail costs no more memory than a short one.
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm.tools.audit import AttemptReport, AuditReport, audit_trail, verdict
+from trainfsm.tools.audit import audit_trail
+from trainfsm.tools.report import AttemptReport, AuditReport, since_text, verdict
 from trainfsm.trail import Record, open_trail
 
 DEFAULT_EVENTS: Final = 10
@@ -97,7 +98,7 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
     if first.exit is None:
         where = "; ".join(
             f"rank {k['rank']} at {k['file']}:{k['line']}, {k['state']} at step {k['step']}"
-            + ("" if k["since_previous"] is None else f", {k['since_previous']:.2f} s after the record before it")
+            + since_text(k["since_previous"])
             for k in attempt.killed_at()
         )
         outcome = f"killed at its last record ({where}); no exit event, so its last transitions may be missing"

@@ -1,0 +1,352 @@
+"""One rank's attempt replayed against the machine's table: ``Replay`` folds the attempt's records
+into a ``RankAttempt`` (what the rank did) and records a ``Problem`` for each line that breaks a rule.
+
+The rules (rows of the table, the step numbers, the state each event was written in) are those of
+``trainfsm.tools.audit``, which reads the trail, runs one replay per (attempt, rank) and compares
+the replays across ranks and attempts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from trainfsm import machine as fsm
+from trainfsm.events import EXIT_REASONS
+from trainfsm.trail import Record
+
+#: The machine's table as the trainer runs it: (trigger, source, dest) rows.
+_TABLE: Final = frozenset(fsm.transition_rows())
+
+#: Triggers that leave ACCUMULATE with the optimizer step applied (or skipped by the scaler).
+_STEP_DONE: Final = frozenset({"stepped", "save", "finish"})
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One inconsistency, or one way the run did not end well, pointing at the line that shows it."""
+
+    kind: str
+    message: str
+    file: str | None = None
+    line: int | None = None
+    rank: int | None = None
+    attempt: int | None = None
+
+    def where(self) -> str:
+        if self.file is None:
+            return ""
+        return f"{self.file}:{self.line}" if self.line is not None else self.file
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "message": self.message,
+            "file": self.file,
+            "line": self.line,
+            "rank": self.rank,
+            "attempt": self.attempt,
+        }
+
+
+@dataclass(slots=True)
+class RankAttempt:
+    """What one rank did in one attempt, as replayed from its trail."""
+
+    rank: int
+    attempt: int
+    file: str
+    run_id: str | None = None
+    world_size: int | None = None
+    torchelastic: dict[str, Any] | None = None  # run_start's: torchrun's restart count, max restarts
+    events: int = 0
+    start: str | None = None
+    resumed_from_step: int | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    steps_done: int = 0
+    micro_batches: int = 0
+    loss_none: int = 0
+    loss_none_at: list[str] = field(default_factory=list)  # "step S micro M" of each skipped micro-batch
+    retries: list[dict[str, Any]] = field(default_factory=list)
+    scaler_skips: list[int] = field(default_factory=list)
+    checkpoint_steps: list[int] = field(default_factory=list)
+    saved: list[dict[str, Any]] = field(default_factory=list)
+    loaded: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    received: list[dict[str, Any]] = field(default_factory=list)
+    agreed: dict[str, Any] | None = None
+    exceptions: list[dict[str, Any]] = field(default_factory=list)
+    requeue: dict[str, Any] | None = None
+    requeue_line: int | None = None
+    exit: dict[str, Any] | None = None
+    exit_line: int | None = None
+    end_state: str = fsm.BUILD
+    end_step: int = 0
+    end_line: int = 0
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    previous_at: float | None = None  # the time of the record before the last one
+
+
+class Replay:
+    """Folds one rank's events of one attempt into a ``RankAttempt``, recording problems on the way.
+
+    ``state`` and ``step`` are the machine's state and the trainer's step as the replay has them;
+    each event is checked against them, then applied.
+    """
+
+    def __init__(self, first: Record, problems: list[Problem], origin: str = "") -> None:
+        self.origin = origin  # the rank trail (all its segments) the attempt was read from
+        self.result = RankAttempt(rank=first.rank, attempt=first.attempt, file=first.file, started_at=first.ts)
+        self.problems = problems
+        self.state = fsm.BUILD
+        self.step = 0
+
+    def problem(self, kind: str, record: Record, message: str) -> None:
+        self.problems.append(Problem(kind, message, record.file, record.line, record.rank, record.attempt))
+
+    def feed(self, record: Record) -> None:
+        result = self.result
+        if result.exit is not None:
+            self.problem("malformed", record, f"{record.name} after the exit event of attempt {record.attempt}")
+        if result.events:
+            result.previous_at = result.ended_at  # a killed attempt: how long since the record before
+        result.events += 1
+        result.ended_at = record.ts
+        result.end_line = record.line
+        name = record.name
+        if name == "steps":
+            self._steps(record)
+        elif name == "transition":
+            self._transition(record)
+        else:
+            self._check_position(record)
+            handler = _HANDLERS.get(record.name)
+            if handler is not None:
+                handler(self, record)
+        result.end_state, result.end_step = self.state, self.step
+
+    # ---------------------------------------------------------------- checks
+    def _check_step(self, record: Record) -> None:
+        if record.step == self.step or self.state == fsm.RESTORE:
+            self.step = record.step  # RESTORE: the restored checkpoint's step arrives here
+            return
+        expected = self.step
+        missing = f" (step {expected} missing)" if record.step == expected + 1 else ""
+        self.problem("gap", record, f"step jumps from {expected} to {record.step}{missing}")
+        self.step = record.step
+
+    def _check_position(self, record: Record) -> None:
+        self._check_step(record)
+        if record.state != self.state:
+            self.problem(
+                "state_mismatch",
+                record,
+                f"{record.name} was written in {record.state}, but the replay is in {self.state} "
+                f"(a transition line is missing?)",
+            )
+            self.state = record.state
+
+    # ---------------------------------------------------------------- transitions
+    def _transition(self, record: Record) -> None:
+        data = record.data
+        trigger, source, dest = data["trigger"], data["source"], data["dest"]
+        if source != self.state:
+            self.problem(
+                "illegal_transition",
+                record,
+                f"{trigger}: {source} -> {dest} taken while the machine was in {self.state}",
+            )
+        elif (trigger, source, dest) not in _TABLE:
+            self.problem("illegal_transition", record, f"{trigger}: {source} -> {dest} is not a row of the machine")
+        if trigger in fsm.STEP_TAKEN_BACK:
+            self._step_never_happened()
+        self._check_step(record)
+        if record.state != dest:
+            self.problem("state_mismatch", record, f"a transition to {dest} written in state {record.state}")
+        self._count(trigger, source, dest)
+        self.state = dest
+        if dest == fsm.STEP:  # the trainer advances its step on entering STEP, after this line
+            self.step += 1
+            if self.result.first_step is None:
+                self._check_first_step(record)
+                self.result.first_step = self.step
+
+    def _steps(self, record: Record) -> None:
+        self.steps(record.data, record.file, record.line, counted=True)
+
+    def steps(self, data: dict[str, Any], file: str, line: int, counted: bool = False) -> None:
+        """A compact run of routine steps first..step: each is ``fsm.ROUTINE_START``, ``micro - 1``
+        x ``fsm.ROUTINE_NEXT``, ``fsm.ROUTINE_END``, replayed at once (they are rows of the table,
+        checked at import), so auditing costs the same per record however many steps it holds.
+        Called with the record's dict straight from the reader (``counted``: ``feed`` did the
+        bookkeeping already); a ``Record`` is made only to point a problem at the line."""
+        result = self.result
+        if not counted:
+            if result.exit is not None:
+                self.feed(Record(file, line, data))  # says what is wrong, then replays it
+                return
+            if result.events:
+                result.previous_at = result.ended_at
+            result.events += 1
+            result.ended_at = data["ts"]
+            result.end_line = line
+        first, last, micro = data["first"], data["step"], data["micro"]
+        if self.state != fsm.STEP or first != self.step or data["state"] != fsm.STEP:
+            self._steps_problems(Record(file, line, data), first, last)
+        count = last - first + 1
+        result.micro_batches += count * micro
+        result.steps_done += count
+        result.last_step = last
+        self.state = fsm.STEP
+        self.step = last + 1
+        if result.first_step is None:  # a trail that begins mid-attempt
+            result.first_step = first
+        result.end_state, result.end_step = fsm.STEP, self.step
+
+    def _steps_problems(self, record: Record, first: int, last: int) -> None:
+        if self.state != fsm.STEP:
+            trigger, source, dest = fsm.ROUTINE_START
+            self.problem(
+                "illegal_transition",
+                record,
+                f"{trigger}: {source} -> {dest} (routine steps {first}-{last}) taken while the machine was in "
+                f"{self.state}",
+            )
+        if first != self.step:
+            missing = f" (step {self.step} missing)" if first == self.step + 1 else ""
+            self.problem("gap", record, f"step jumps from {self.step} to {first}{missing}")
+        if record.state != fsm.STEP:
+            self.problem("state_mismatch", record, f"routine steps ending in STEP written in state {record.state}")
+
+    def _step_never_happened(self) -> None:
+        """A trigger of ``fsm.STEP_TAKEN_BACK`` (``max_epochs`` ran out): the step that began is taken back."""
+        self.step -= 1
+        if self.result.first_step == self.step + 1:
+            self.result.first_step = None
+
+    def _check_first_step(self, record: Record) -> None:
+        base = self.result.resumed_from_step or 0
+        if self.step != base + 1:
+            where = f"the checkpoint of step {base}" if base else "a fresh start"
+            self.problem("gap", record, f"the first step is {self.step}, but after {where} it must be {base + 1}")
+
+    def _count(self, trigger: str, source: str, dest: str) -> None:
+        result = self.result
+        if dest == fsm.ACCUMULATE:
+            result.micro_batches += 1
+        if source == fsm.ACCUMULATE and trigger in _STEP_DONE:
+            result.steps_done += 1
+            result.last_step = self.step
+        if dest == fsm.CHECKPOINT:
+            result.checkpoint_steps.append(self.step)
+
+    # ---------------------------------------------------------------- other events
+    def _run_start(self, record: Record) -> None:
+        data = record.data
+        self.result.run_id = str(data.get("run_id", ""))  # also marks that run_start was seen
+        self.result.world_size = data.get("world_size")
+        elastic = data.get("torchelastic")
+        self.result.torchelastic = elastic if isinstance(elastic, dict) else None
+
+    def _restore(self, record: Record) -> None:
+        data = record.data
+        result = self.result
+        resumed = bool(data.get("resumed"))
+        from_step = data.get("from_step")
+        result.start = "resume" if resumed else "launch"
+        result.resumed_from_step = from_step if resumed else None
+        loaded = [entry["step"] for entry in result.loaded]
+        if loaded and loaded[-1] != from_step:
+            self.problem("gap", record, f"restore says from_step {from_step}, the checkpoint loaded was {loaded[-1]}")
+        elif not resumed and from_step:
+            self.problem("gap", record, f"a fresh start (resumed=false) at step {from_step}")
+
+    def _checkpoint_saved(self, record: Record) -> None:
+        data = record.data
+        self.result.saved.append(
+            {
+                "step": data.get("saved_step"),
+                "path": data.get("path"),
+                "kept": data.get("kept"),
+                "asynchronous": data.get("asynchronous"),
+                "bytes": data.get("bytes"),
+            }
+        )
+
+    def _checkpoint_loaded(self, record: Record) -> None:
+        self.result.loaded.append({"step": record.data.get("from_step"), "path": record.data.get("path")})
+
+    def _checkpoint_skipped(self, record: Record) -> None:
+        self.result.skipped.append({"path": record.data.get("path"), "reason": record.data.get("reason")})
+
+    def _checkpoint_failed(self, record: Record) -> None:
+        self.result.failed.append({"type": record.data.get("type"), "message": record.data.get("message")})
+
+    def _non_finite(self, record: Record) -> None:
+        if record.data.get("what") == "scaler_skip":
+            self.result.scaler_skips.append(record.step)
+        else:
+            self.result.retries.append({"step": record.step, "retry": record.data.get("retry")})
+
+    def _loss_none(self, record: Record) -> None:
+        self.result.loss_none += 1
+        self.result.loss_none_at.append(f"step {record.step} micro {record.data.get('micro')}")
+
+    def _signal_received(self, record: Record) -> None:
+        data = record.data
+        self.result.received.append(
+            {
+                "rank": record.rank,
+                "signal": data.get("signal"),
+                "at_step": data.get("at_step"),
+                "at_state": data.get("at_state"),
+                "ts": data.get("received_at", record.ts),
+            }
+        )
+
+    def _signal_agreed(self, record: Record) -> None:
+        self.result.agreed = {"signal": record.data.get("signal"), "step": record.data.get("agreed_step")}
+
+    def _exception(self, record: Record) -> None:
+        data = record.data
+        self.result.exceptions.append(
+            {
+                "rank": record.rank,
+                "type": data.get("type"),
+                "message": data.get("message"),
+                "file": record.file,
+                "line": record.line,
+            }
+        )
+
+    def _requeue(self, record: Record) -> None:
+        data = record.data
+        self.result.requeue = {"ok": data.get("ok"), "command": data.get("command"), "message": data.get("message")}
+        self.result.requeue_line = record.line
+
+    def _exit(self, record: Record) -> None:
+        reason = record.data.get("reason")
+        if reason not in EXIT_REASONS:
+            self.problem("malformed", record, f"unknown exit reason {reason!r} (known: {', '.join(EXIT_REASONS)})")
+        self.result.exit = {"reason": reason, "code": record.data.get("code")}
+        self.result.exit_line = record.line
+
+
+_HANDLERS: Final = {
+    "run_start": Replay._run_start,
+    "restore": Replay._restore,
+    "checkpoint_saved": Replay._checkpoint_saved,
+    "checkpoint_loaded": Replay._checkpoint_loaded,
+    "checkpoint_skipped": Replay._checkpoint_skipped,
+    "checkpoint_failed": Replay._checkpoint_failed,
+    "non_finite": Replay._non_finite,
+    "loss_none": Replay._loss_none,
+    "signal_received": Replay._signal_received,
+    "signal_agreed": Replay._signal_agreed,
+    "exception": Replay._exception,
+    "requeue": Replay._requeue,
+    "exit": Replay._exit,
+}

@@ -1,0 +1,390 @@
+"""The audit's report, ``AuditReport``: its JSON (``as_dict``) and its text for people (``render``,
+``verdict``), where ranks that did alike are one group.
+
+``trainfsm audit --json`` prints one object (schema ``trainfsm.audit/1``; fields are only ever
+added)::
+
+    {"schema": "trainfsm.audit/1",
+     "consistent": bool,                      # true iff "problems" is empty (else exit code 3)
+     "ended_well": bool,                      # true iff "run_problems" is empty (else exit code 1)
+     "files": [{"path": str, "ranks": [int], "events": int}],
+     "attempts": [{                           # by attempt number
+        "attempt": int,
+        "ranks": [int],
+        "start": "launch" | "resume" | null,  # null: ended before RESTORE said
+        "resumed_from_step": int | null,
+        "first_step": int | null, "last_step": int | null,   # first begun, last completed
+        "steps_done": int,                    # optimizer steps completed in this attempt
+        "micro_batches": int,                 # forward/backward passes begun (entries into ACCUMULATE)
+        "loss_none": int,                     # micro-batches whose forward returned loss=None
+        "retries": [{"step": int, "retry": int}],   # non-finite gradients: the step ran again
+        "scaler_skips": [int],                # steps whose optimizer step the fp16 scaler skipped
+        "checkpoint_steps": [int],            # steps after which the machine entered CHECKPOINT
+        "checkpoints": {
+          "saved":   [{"step": int, "path": str, "kept": bool, "asynchronous": bool, "bytes": int}],
+          "loaded":  [{"step": int, "path": str}],
+          "skipped": [{"path": str, "reason": str}],
+          "failed":  [{"type": str, "message": str}]},
+        "signals": {
+          "received": [{"rank": int, "signal": str, "at_step": int|null, "at_state": str|null, "ts": float}],
+          "agreed": {"signal": str, "step": int} | null},
+        "exceptions": [{"rank": int, "type": str, "message": str, "file": str, "line": int}],
+        "requeue": {"ok": bool, "command": str|null, "message": str} | null,
+        "exit": {"reason": str, "code": int} | null,   # null: no exit event on the first rank
+        "ended": str,                         # how each rank ended: "rank 0 killed (...), rank 1 failed (...)"
+        "torchelastic": {"restart_count": int, "max_restarts": int|null, "run_id": str|null} | null,
+        "killed": bool,                       # some rank has no exit event
+        "killed_at": [{"rank": int, "file": str, "line": int, "state": str, "step": int,
+                       "ts": float, "since_previous": float | null}],   # each such rank's last record
+        "end": {"state": str, "step": int},   # where the first rank's trail of this attempt ends
+        "started_at": float, "ended_at": float,       # epoch seconds, all ranks
+        "per_rank": [{"rank", "file", "run_id", "world_size", "events", "first_step", "last_step",
+                      "steps_done", "micro_batches", "retry_steps", "checkpoint_steps",
+                      "loaded_step", "agreed_step", "exit", "end", "started_at", "ended_at"}]}],
+     "problems": [{"kind": str, "message": str, "file": str|null, "line": int|null,
+                   "rank": int|null, "attempt": int|null}],
+     "run_problems": [...],                   # as "problems", kinds of audit.RUN_PROBLEM_KINDS
+     "notes": [{"message": str, "file": str|null, "line": int|null}]}
+
+Attempt-level values are those of the attempt's lowest rank, except ``checkpoints.saved``,
+``skipped`` and ``failed`` (rank 0 writes checkpoints), ``signals.received`` and ``exceptions``,
+which gather all ranks.
+
+The text helpers (``ranks_text``, ``group_by``, ``since_text``, ``first_line``) also word the
+audit's own problems, so that a problem and the report name ranks the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from trainfsm.tools.replay import Problem, RankAttempt
+from trainfsm.trail import Note
+
+SCHEMA: Final = "trainfsm.audit/1"
+
+
+@dataclass(slots=True)
+class AttemptReport:
+    """One attempt over all its ranks."""
+
+    attempt: int
+    ranks: list[RankAttempt]
+
+    @property
+    def first(self) -> RankAttempt:
+        return self.ranks[0]
+
+    @property
+    def killed(self) -> bool:
+        return any(r.exit is None for r in self.ranks)
+
+    def killed_at(self) -> list[dict[str, Any]]:
+        """Where each rank without an exit event stopped: its last record, and how long after the
+        record before it (a long pause there: it hung before it was killed)."""
+        return [
+            {
+                "rank": r.rank,
+                "file": r.file,
+                "line": r.end_line,
+                "state": r.end_state,
+                "step": r.end_step,
+                "ts": r.ended_at,
+                "since_previous": None if r.previous_at is None else r.ended_at - r.previous_at,
+            }
+            for r in self.ranks
+            if r.exit is None
+        ]
+
+    def ended(self) -> str:
+        """How the ranks' attempt ended, in words, ranks that ended alike together:
+        ``ranks 0-6 completed (code 0); rank 7 killed (...)``."""
+        groups = group_by(self.ranks, _how_ended).items()
+        return "; ".join(f"{ranks_text([r.rank for r in ranks])} {how}" for how, ranks in groups)
+
+    def as_dict(self) -> dict[str, Any]:
+        first = self.first
+        return {
+            "attempt": self.attempt,
+            "ranks": [r.rank for r in self.ranks],
+            "start": first.start,
+            "resumed_from_step": first.resumed_from_step,
+            "first_step": first.first_step,
+            "last_step": first.last_step,
+            "steps_done": first.steps_done,
+            "micro_batches": first.micro_batches,
+            "loss_none": first.loss_none,
+            "retries": first.retries,
+            "scaler_skips": first.scaler_skips,
+            "checkpoint_steps": first.checkpoint_steps,
+            "checkpoints": {
+                "saved": [s for r in self.ranks for s in r.saved],
+                "loaded": first.loaded,
+                "skipped": [s for r in self.ranks for s in r.skipped],
+                "failed": [s for r in self.ranks for s in r.failed],
+            },
+            "signals": {"received": [s for r in self.ranks for s in r.received], "agreed": first.agreed},
+            "exceptions": [e for r in self.ranks for e in r.exceptions],
+            "requeue": first.requeue,
+            "exit": first.exit,
+            "ended": self.ended(),
+            "torchelastic": first.torchelastic,
+            "killed": self.killed,
+            "killed_at": self.killed_at(),
+            "end": {"state": first.end_state, "step": first.end_step},
+            "started_at": min(r.started_at for r in self.ranks),
+            "ended_at": max(r.ended_at for r in self.ranks),
+            "per_rank": [_rank_dict(r) for r in self.ranks],
+        }
+
+
+def _rank_dict(r: RankAttempt) -> dict[str, Any]:
+    return {
+        "rank": r.rank,
+        "file": r.file,
+        "run_id": r.run_id,
+        "world_size": r.world_size,
+        "events": r.events,
+        "first_step": r.first_step,
+        "last_step": r.last_step,
+        "steps_done": r.steps_done,
+        "micro_batches": r.micro_batches,
+        "retry_steps": [x["step"] for x in r.retries],
+        "checkpoint_steps": r.checkpoint_steps,
+        "loaded_step": r.loaded[-1]["step"] if r.loaded else None,
+        "agreed_step": r.agreed["step"] if r.agreed else None,
+        "exit": r.exit,
+        "end": {"state": r.end_state, "step": r.end_step},
+        "started_at": r.started_at,
+        "ended_at": r.ended_at,
+    }
+
+
+@dataclass(slots=True)
+class AuditReport:
+    """The result of ``audit()``: attempts, problems (empty: consistent), notes, and run problems
+    (empty: the run ended well)."""
+
+    files: list[dict[str, Any]]
+    attempts: list[AttemptReport]
+    problems: list[Problem]
+    notes: list[Note]
+    run_problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def consistent(self) -> bool:
+        return not self.problems
+
+    @property
+    def ended_well(self) -> bool:
+        return not self.run_problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "consistent": self.consistent,
+            "ended_well": self.ended_well,
+            "files": self.files,
+            "attempts": [a.as_dict() for a in self.attempts],
+            "problems": [p.as_dict() for p in self.problems],
+            "run_problems": [p.as_dict() for p in self.run_problems],
+            "notes": [n.as_dict() for n in self.notes],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+
+# -------------------------------------------------------------------- text rendering
+def render(report: AuditReport) -> str:
+    """The report for people: one block per attempt, then notes, problems and run problems, then the
+    verdict on the trail and on the run."""
+    ranks = sorted({rank for info in report.files for rank in info["ranks"]})
+    events = sum(info["events"] for info in report.files)
+    lines = [
+        f"{_plural(len(report.files), 'file')} ({_plural(len(ranks), 'rank')}), "
+        f"{_plural(len(report.attempts), 'attempt')}, {_plural(events, 'event')}"
+    ]
+    previous = None
+    for attempt in report.attempts:
+        lines.append("")
+        lines.extend(_render_attempt(attempt, previous))
+        previous = attempt
+    if report.notes:
+        lines.append("")
+        lines.append("notes:")
+        lines.extend(_at_most(f"  {_prefix(n.where())}{n.message}" for n in report.notes))
+    for title, found in (("problems", report.problems), ("run problems", report.run_problems)):
+        if found:
+            lines.append("")
+            lines.append(f"{title}:")
+            lines.extend(_at_most(f"  {_prefix(p.where())}[{p.kind}] {p.message}" for p in found))
+    lines.append("")
+    lines.extend(verdict(report))
+    return "\n".join(lines)
+
+
+#: Lines a section of the text report shows; the rest are counted (``--json`` has them all).
+SECTION_LINES: Final = 20
+
+
+def _at_most(lines: Iterable[str], limit: int = SECTION_LINES) -> list[str]:
+    shown = list(lines)
+    if len(shown) <= limit:
+        return shown
+    return [*shown[: limit - 1], f"  ... and {len(shown) - limit + 1} more (--json lists them all)"]
+
+
+def verdict(report: AuditReport) -> list[str]:
+    """Two lines: is the trail consistent with the machine; did the run end well."""
+    if report.consistent:
+        trail = "consistent: every transition is a row of the machine, steps follow on, the ranks agree"
+    else:
+        trail = f"INCONSISTENT: {_plural(len(report.problems), 'problem')}"
+    if report.run_problems:
+        run = "run problems: " + ", ".join(dict.fromkeys(p.kind for p in report.run_problems))
+    elif report.attempts and report.attempts[-1].first.exit is not None:
+        last = report.attempts[-1]
+        exit = last.first.exit or {}
+        run = f"run ended well: attempt {last.attempt} {exit['reason']} (exit code {exit['code']})"
+    else:
+        run = "run ended well"
+    return [trail, run]
+
+
+def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = None) -> list[str]:
+    data = attempt.as_dict()
+    first = attempt.first
+    how = {"launch": "launch", "resume": f"resume from step {first.resumed_from_step}", None: "start unknown"}
+    seconds = data["ended_at"] - data["started_at"]
+    ranks = data["ranks"]
+    rank_text = ranks_text(ranks)
+    lines = [f"attempt {attempt.attempt}: {how[first.start]}, {rank_text}, {seconds:.2f} s"]
+    if previous is not None and first.torchelastic and first.torchelastic.get("restart_count"):
+        elastic = first.torchelastic
+        limit = f" of at most {elastic['max_restarts']}" if elastic.get("max_restarts") is not None else ""
+        lines.append(
+            f"  torchrun restart {elastic['restart_count']}{limit}, after attempt {previous.attempt} ended: "
+            f"{previous.ended()}"
+        )
+    steps = f"steps {first.first_step}-{first.last_step}" if first.steps_done else "no steps"
+    retries = ", ".join(f"step {x['step']} (#{x['retry']})" for x in first.retries) or "none"
+    lines.append(
+        f"  {steps}: {first.steps_done} done, {first.micro_batches} micro-batches"
+        + (f" ({first.loss_none} with loss=None)" if first.loss_none else "")
+        + f", retries: {retries}"
+        + (f", fp16 skipped steps: {_steps(first.scaler_skips)}" if first.scaler_skips else "")
+    )
+    lines.append("  checkpoints: " + _render_checkpoints(data["checkpoints"]))
+    lines.append("  signals: " + _render_signals(data["signals"]))
+    for (kind, message), alike in group_by(data["exceptions"], lambda e: (e["type"], first_line(e["message"]))).items():
+        lines.append(f"  exception on {ranks_text([e['rank'] for e in alike])}: {kind}: {message}")
+    if first.requeue is not None:
+        lines.append(f"  requeue: {'done' if first.requeue['ok'] else 'FAILED'}: {first.requeue['message']}")
+    if len(attempt.ranks) > 1 and len({(r.exit or {}).get("reason") for r in attempt.ranks}) > 1:
+        lines.append(f"  ended: {attempt.ended()}")  # the ranks ended differently
+    elif first.exit is not None:
+        lines.append(f"  exit: {first.exit['reason']}, code {first.exit['code']}")
+    else:
+        for (state, step), killed in group_by(attempt.killed_at(), lambda k: (k["state"], k["step"])).items():
+            k = killed[0]
+            if len(killed) == 1:
+                where, since = f"its last record ({k['file']}:{k['line']})", since_text(k["since_previous"])
+            else:
+                where, since = "their last records", ""
+            lines.append(
+                f"  exit: none: {ranks_text([x['rank'] for x in killed])} killed at {where}: "
+                f"{state} at step {step}{since}"
+            )
+    return lines
+
+
+def _render_checkpoints(checkpoints: dict[str, list[dict[str, Any]]]) -> str:
+    parts = []
+    if checkpoints["loaded"]:
+        parts.append("loaded " + ", ".join(f"step {c['step']} ({c['path']})" for c in checkpoints["loaded"]))
+    parts.append("saved " + (_steps([c["step"] for c in checkpoints["saved"]]) or "none"))
+    if checkpoints["skipped"]:
+        parts.append("skipped " + "; ".join(f"{c['path']}: {c['reason']}" for c in checkpoints["skipped"]))
+    if checkpoints["failed"]:
+        parts.append("failed " + "; ".join(f"{c['type']}: {c['message']}" for c in checkpoints["failed"]))
+    return ", ".join(parts)
+
+
+def _render_signals(signals: dict[str, Any]) -> str:
+    received = [
+        f"{signal} on {ranks_text([s['rank'] for s in alike])} at step {step} ({state})"
+        for (signal, step, state), alike in group_by(
+            signals["received"], lambda s: (s["signal"], s["at_step"], s["at_state"])
+        ).items()
+    ]
+    text = ", ".join(received) or "none"
+    agreed = signals["agreed"]
+    if agreed is not None:
+        text += f"; agreed {agreed['signal']} at step {agreed['step']}"
+    return text
+
+
+def _steps(steps: list[Any]) -> str:
+    if len(steps) > 12:
+        return f"{', '.join(map(str, steps[:5]))}, ... {', '.join(map(str, steps[-5:]))} ({len(steps)} in all)"
+    return ", ".join(map(str, steps))
+
+
+def _prefix(where: str) -> str:
+    return f"{where}: " if where else ""
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+# -------------------------------------------------------------------- text helpers
+def group_by(items: Iterable[Any], key: Callable[[Any], Any]) -> dict[Any, list[Any]]:
+    """Items by ``key``, groups in order of first appearance."""
+    groups: dict[Any, list[Any]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return groups
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-511, 513-1023``: runs of consecutive ranks as ranges."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranges(ranks)}"
+
+
+def _ranges(ranks: Iterable[int]) -> str:
+    parts: list[str] = []
+    ordered = sorted(ranks)
+    start = previous = ordered[0] if ordered else 0
+    for rank in ordered[1:]:
+        if rank != previous + 1:
+            parts.append(f"{start}-{previous}" if previous > start else str(start))
+            start = rank
+        previous = rank
+    if ordered:
+        parts.append(f"{start}-{previous}" if previous > start else str(start))
+    return ", ".join(parts)
+
+
+def _how_ended(r: RankAttempt) -> str:
+    if r.exit is None:
+        return f"killed (no exit event; the trail ends in {r.end_state} at step {r.end_step})"
+    text = f"{r.exit['reason']} (code {r.exit['code']}"
+    if r.exit["reason"] == "failed" and r.exceptions:
+        text += f", {r.exceptions[0]['type']}: {first_line(r.exceptions[0]['message'])[:80]}"
+    return text + ")"
+
+
+def first_line(text: Any) -> str:
+    """The first line of a message (an exception's, a command's), "" for none."""
+    lines = str(text).splitlines()
+    return lines[0] if lines else ""
+
+
+def since_text(seconds: float | None) -> str:
+    """``, 1.25 s after the record before it`` (of a killed rank's last record); "" when unknown."""
+    return "" if seconds is None else f", {seconds:.2f} s after the record before it"
