@@ -389,13 +389,7 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return EXIT_FAILURE
     for note in result.notes:
         print(f"note: {note.where()}: {note.message}", file=sys.stderr)
-    ranks, attempts = len(result.ranks), result.attempts
-    print(
-        f"wrote {result.path} ({result.width}x{result.height} px): {ranks} rank{'s' * (ranks != 1)}, "
-        f"{attempts} attempt{'s' * (attempts != 1)}"
-    )
-    if not result.metrics:
-        print("the trail has no loss or learning rate (no metrics events: add a LoggingHook): drew the timeline only")
+    print(plot.summary(result))
     return EXIT_OK
 
 

@@ -182,6 +182,21 @@ def plot(inputs: Iterable[Path], output: Path, *, title: str | None = None, dpi:
     return PlotResult(output, width, height_px, ranks, len(timeline.restarts), metrics, notes)
 
 
+def summary(result: PlotResult) -> str:
+    """The lines ``trainfsm plot`` prints once the picture is written: where, its size, the ranks and
+    attempts drawn, and whether the trail had curves to draw."""
+    ranks, attempts = len(result.ranks), result.attempts
+    lines = [
+        f"wrote {result.path} ({result.width}x{result.height} px): {ranks} rank{'s' * (ranks != 1)}, "
+        f"{attempts} attempt{'s' * (attempts != 1)}"
+    ]
+    if not result.metrics:
+        lines.append(
+            "the trail has no loss or learning rate (no metrics events: add a LoggingHook): drew the timeline only"
+        )
+    return "\n".join(lines)
+
+
 def _time_unit(total: float) -> tuple[float, str]:
     if total > 3 * 3600:
         return 3600.0, "h"
