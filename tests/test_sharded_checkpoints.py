@@ -123,7 +123,7 @@ def test_a_staged_shard_is_the_cpu_copy_the_writer_fills_whatever_device_the_mes
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from trainfsm.hooks.checkpointing import _stage
+    from trainfsm.hooks.async_save import stage as _stage
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

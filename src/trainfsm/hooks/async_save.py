@@ -1,0 +1,190 @@
+"""Asynchronous checkpoint saves (``CheckpointingHook(async_save=True)``): stage, then write in the
+background while training goes on.
+
+``stage`` makes a private CPU copy of what a save writes: what a forward pass may change in place at
+once, the rest (parameters, optimizer and hook state) on the writer thread while the next step
+runs, until its optimizer step, which waits for those copies (``BackgroundSaves.wait_staged``).
+``BackgroundSaves`` runs the writes on one thread, at most one in flight; ``settle`` reports a
+finished one and raises for a failed one. A sharded save's collectives run over a gloo group of its
+own (``process_group``), so that they never pair with the training's on the main thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import torch
+
+from trainfsm.checkpoint import CheckpointError
+from trainfsm.utils import map_nested_tensor
+
+if TYPE_CHECKING:
+    from trainfsm.trainer import BaseTrainer
+
+Result = TypeVar("Result")
+
+
+class BackgroundSaves(Generic[Result]):
+    """One writer thread and the save in flight on it, from ``submit`` to ``settle``."""
+
+    def __init__(self) -> None:
+        self._writer: ThreadPoolExecutor | None = None
+        self._inflight: Future[Result] | None = None
+        self._inflight_sharded = False
+        self._failure_reported = False
+        self._staging: threading.Event | None = None  # set once the copies of the save in flight are made
+        self._blocked = 0.0  # how long the loop waited for the save in flight
+        self._group: Any = None  # the process group of background sharded saves (made at the first)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def submit(
+        self,
+        started: float,
+        copies: list[tuple[torch.Tensor, torch.Tensor]],
+        write: Callable[[], Result],
+        *,
+        sharded: bool,
+    ) -> None:
+        """Make ``copies`` on the writer thread, then ``write()`` there; the loop was blocked since
+        ``started``, and is blocked again before the next optimizer step until the copies are made."""
+        self._blocked = time.perf_counter() - started
+        self._staging = threading.Event()
+        self._inflight_sharded = sharded
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-async-save")
+        self._inflight = self._writer.submit(_copy_then, copies, self._staging, write)
+
+    def wait_staged(self) -> None:
+        """Wait until the save in flight has its copies: the first in-place update of parameters or
+        optimizer state must not come before."""
+        if self._staging is not None:
+            started = time.perf_counter()
+            self._staging.wait()
+            self._blocked += time.perf_counter() - started
+            self._staging = None
+
+    def settle(self, trainer: BaseTrainer, wait: bool) -> tuple[Result, float] | None:
+        """A finished save's result and the seconds the loop was blocked for it; with ``wait``, wait
+        for it. A failed save raises here: a full one at the next step, a sharded one at the next
+        checkpoint or at EXIT. The ranks of a sharded save learn its outcome together but each looks
+        at its own pace, so each would raise at a different step and leave the others waiting in a
+        collective; the checkpoint and EXIT are where every rank is at once. The
+        ``checkpoint_failed`` event comes at the next step either way."""
+        future = self._inflight
+        if future is None or (not wait and not future.done()):
+            return None
+        self.wait_staged()
+        error = future.exception()
+        if error is None:
+            self._inflight = None
+            return future.result(), self._blocked
+        if not self._failure_reported:
+            trainer.audit.error("checkpoint_failed", type=type(error).__name__, message=str(error))
+            self._failure_reported = True
+        if not wait and self._inflight_sharded:
+            return None  # raised where every rank is at once: the next checkpoint or EXIT
+        self._inflight = None
+        self._failure_reported = False
+        raise CheckpointError(f"asynchronous checkpoint save failed: {type(error).__name__}: {error}") from error
+
+    def process_group(self, world_size: int) -> Any:
+        """The gloo group of background sharded saves, made at the first (collective: every rank
+        calls this at the same save); None for one rank, which has no collective to mispair."""
+        if self._group is None and world_size > 1:
+            self._group = _background_group()
+        return self._group
+
+    def close(self) -> None:
+        """Release the writer thread and the process group (after ``settle(wait=True)``)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        if self._group is not None:  # local for gloo; a group kept alive could abort the exit
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None
+
+
+def _background_group() -> Any:
+    """A gloo group over every rank for the collectives of background sharded saves (DCP's and
+    ours): on the default group they could pair with the training's, which run at the same time on
+    the main thread. Collective: every rank calls it at the same point."""
+    import torch.distributed as dist
+
+    from trainfsm.collectives import group_timeout
+
+    return dist.new_group(backend="gloo", timeout=group_timeout())
+
+
+def _copy_then(
+    copies: list[tuple[torch.Tensor, torch.Tensor]], staged_event: threading.Event, write: Callable[[], Any]
+) -> Any:
+    """On the writer thread: the copies the loop waits for before its next optimizer step, then ``write()``."""
+    try:
+        for source, target in copies:
+            target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
+    finally:
+        staged_event.set()
+    return write()
+
+
+def stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A private CPU copy of ``parts`` for the background writer, and the copies still to make.
+
+    What a forward pass may change in place (buffers such as BatchNorm's running statistics, and
+    anything else that is not a parameter) is copied now. Parameters, optimizer state and hook
+    state change only from the next ``optimizer.step()`` on, so they are copied on the writer
+    thread while the next step's data loading, forward and backward run; ``on_before_optimizer_step``
+    waits for those copies.
+    """
+    model = trainer.model
+    parameters = {_local(p).data_ptr() for p in model.parameters()} if model is not None else set()
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def later(tensor: torch.Tensor) -> torch.Tensor:
+        local = _local(tensor).detach()
+        target = torch.empty_like(local, device="cpu")
+        copies.append((local, target))
+        return _shaped_like(tensor, target)
+
+    def now(tensor: torch.Tensor) -> torch.Tensor:
+        return _shaped_like(tensor, _local(tensor).detach().to("cpu", copy=True))
+
+    staged = {
+        part: map_nested_tensor(
+            (lambda t: later(t) if _local(t).data_ptr() in parameters else now(t)) if part == "model" else later, value
+        )
+        for part, value in parts.items()
+    }
+    return staged, copies
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a shard of a sharded save); any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None and hasattr(tensor, "placements") else tensor
+
+
+def _shaped_like(original: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a CPU copy of ``original``'s part) as what DCP must see: a DTensor with the same
+    mesh, placements and global shape when ``original`` is one, so that it is written as the same
+    shard of the same global tensor.
+
+    Made with DTensor's own constructor from ``original``'s spec, not ``DTensor.from_local``: that
+    moves the local tensor to the mesh's device (a CUDA mesh: a new GPU tensor), and the writer
+    thread's later copy into ``local`` would then never reach what DCP writes. torch's own stager
+    (``_create_cpu_state_dict``) keeps the CPU tensor the same way, by setting ``_local_tensor``."""
+    if not hasattr(original, "placements"):
+        return local
+    dtensor: Any = original
+    staged: torch.Tensor = type(dtensor)(local, dtensor._spec, requires_grad=False)
+    return staged

@@ -1,0 +1,186 @@
+"""Restoring in RESTORE: which checkpoint to load, the ranks' agreement that it is intact, and
+putting its state back into the trainer.
+
+``load="latest"`` tries rank 0's list of checkpoints, newest first (``CheckpointStore.candidates``),
+and skips one that any rank finds incomplete or corrupt; a named checkpoint must be intact. Every
+rank verifies its share and one all_gather makes the verdict common, so that all skip it or all load
+it. A full checkpoint is checked against the model's keys and shapes and goes through
+``trainer.load_state_dict``; a sharded one is read in place with DCP, on any world size. Each rank
+then resumes its own random streams and data position (rank 0's on a different world size).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainfsm import collectives, rng
+from trainfsm.checkpoint import CheckpointError, CheckpointStore
+from trainfsm.events import notice
+from trainfsm.hooks.checkpoint_common import state_dict_options
+
+if TYPE_CHECKING:
+    from trainfsm.trainer import BaseTrainer
+
+
+def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool, checksum: str) -> CheckpointStore:
+    """The store under ``root``; rank 0 (which writes) removes interrupted saves' leftovers and makes
+    the writer's threads and buffers now, not in the first save's step."""
+    store = CheckpointStore(root, direct_io=direct_io, checksum=checksum)
+    log = trainer.audit
+    if trainer.rank == 0:
+        removed = store.remove_leftovers()
+        if removed:
+            log.warning("checkpoint_tmp_removed", names=removed)
+        log.debug("checkpoint_store_ready", seconds=round(store.prepare(), 6))
+    return store
+
+
+def model_shapes(trainer: BaseTrainer) -> dict[str, Any]:
+    """The model state's keys and (global) shapes, on every rank alike: a sharded view needs no
+    gather, and a full one with cpu_offload=True is empty on every rank but 0."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from trainfsm.sharded import sharded_view
+
+    return get_model_state_dict(trainer.model, options=sharded_view(trainer.state_dict_options))  # type: ignore[arg-type]
+
+
+def restore(
+    trainer: BaseTrainer, store: CheckpointStore, load: Path | str, data_resume: str, current: dict[str, Any]
+) -> Path | None:
+    """Load ``load`` (``"latest"``, or a path, relative ones first under the store) into ``trainer``;
+    the path loaded, or None when ``"latest"`` found nothing that loads."""
+    if load == "latest":
+        # Rank 0's list: every rank tries the same checkpoints in the same order.
+        names: list[str] = collectives.from_rank0([c.path.name for c in store.candidates()])
+        for name in names:
+            path = store.root / name
+            try:
+                manifest, parts = _verified(trainer, path)
+            except CheckpointError as exc:
+                trainer.audit.warning("checkpoint_skipped", path=str(path), reason=str(exc))
+                continue
+            _apply(trainer, path, manifest, parts, current, data_resume)
+            return path
+        return None
+    path = Path(load)
+    if not path.is_absolute() and (store.root / path).exists():  # "1000" means checkpoints/1000
+        path = store.root / path
+    manifest, parts = _verified(trainer, path)
+    _apply(trainer, path, manifest, parts, current, data_resume)
+    return path
+
+
+def _verified(trainer: BaseTrainer, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest and ``.pt`` parts of ``path`` once every rank found its share intact; otherwise
+    the same CheckpointError on every rank (so that all skip it, or all load it).
+
+    Each rank checks its own share of a sharded checkpoint (``verify(share=...)``) and every file
+    of a full one; a part that another rank checks may be loaded before its verdict arrives, which
+    is safe (``weights_only=True``) and is thrown away if that verdict is no.
+    """
+    rank, world = trainer.rank, trainer.world_size
+    manifest: dict[str, Any] = {}
+    parts: dict[str, Any] = {}
+    error: str | None = None
+    try:
+        manifest = CheckpointStore.verify(path, share=(rank, world))
+        parts = CheckpointStore.load(path, manifest)
+    except CheckpointError as exc:
+        error = str(exc)
+    if world > 1:
+        found = collectives.gather_objects({"error": error})
+        error = next((f"rank {r}: {e['error']}" for r, e in enumerate(found) if e["error"] is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+    return manifest, parts
+
+
+def _apply(
+    trainer: BaseTrainer,
+    path: Path,
+    manifest: dict[str, Any],
+    parts: dict[str, Any],
+    current: dict[str, Any],
+    data_resume: str,
+) -> None:
+    state = {**parts.get("model", {}), **parts.get("training_state", {}), **parts.get("hooks", {})}
+    ranks = state.pop("ranks", None)
+    sharded = bool(manifest.get("sharded"))
+    if sharded:
+        _load_sharded(trainer, path, state, current)
+    else:
+        check_fits(path, current, state["model"])
+        trainer.load_state_dict(state)
+    if ranks:
+        # Each rank resumes its own random streams; on a different world size, rank 0's.
+        mine = ranks[trainer.rank] if trainer.rank < len(ranks) else ranks[0]
+        if data_resume == "none":
+            rng.restore(mine["rng"])
+        else:
+            trainer.resume_data(data_resume, mine["data"], mine["rng"])
+    trainer.audit.info(
+        "checkpoint_loaded",
+        path=str(path),
+        from_step=trainer.step,
+        sharded=sharded,
+        **({"saved_world_size": manifest.get("world_size")} if sharded else {}),
+    )
+    if trainer.rank == 0:
+        notice(trainer.logger, f"resumed from checkpoint {trainer.step} ({path})")
+
+
+def _load_sharded(trainer: BaseTrainer, path: Path, state: dict[str, Any], current: dict[str, Any]) -> None:
+    """Model and optimizer in place with DCP (each rank reads what its shards need, whatever the
+    world size that saved them), then the rest through ``trainer.load_state_dict``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from trainfsm import sharded
+
+    directory = path / sharded.SUBDIR
+    check_fits(path, current, sharded.saved_shapes(sharded.read_metadata(directory)))
+    view = sharded.sharded_view(trainer.state_dict_options)
+    # The optimizer's state exists only after a step; get_state_dict creates it (zeros) so that
+    # DCP has tensors to read into.
+    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=view)  # type: ignore[arg-type]
+    target = {"model": model_state, "optimizer": optim_state}
+    sharded.load(target, directory)
+    with state_dict_options(trainer, view):
+        trainer.load_state_dict({**state, **target})
+
+
+def check_fits(path: Path, current: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Refuse a model state whose keys or shapes differ from the model's, naming them all.
+    ``saved`` holds tensors, or (a sharded checkpoint's metadata) their global ``torch.Size``.
+
+    Checked before anything is loaded, so a mismatch changes nothing: torch would otherwise
+    report only the first problem it meets, or fail on the optimizer's state first.
+    """
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    shapes = sorted(
+        f"{key} (checkpoint {tuple(saved_shape)}, model {tuple(model_shape)})"
+        for key in set(current) & set(saved)
+        if (model_shape := _shape(current[key])) is not None
+        and (saved_shape := _shape(saved[key])) is not None
+        and model_shape != saved_shape
+    )
+    problems = [
+        f"{label}: {', '.join(items)}"
+        for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatch", shapes))
+        if items
+    ]
+    if problems:
+        raise CheckpointError(
+            f"{path} does not fit the model ({'; '.join(problems)}). Resume with the model it was saved "
+            f"from, or load it with load=None and copy the weights you want yourself."
+        )
+
+
+def _shape(value: Any) -> torch.Size | None:
+    if isinstance(value, torch.Tensor):
+        return value.shape  # a DTensor's is the global shape
+    return value if isinstance(value, torch.Size) else None
