@@ -62,6 +62,9 @@ class CheckpointingHook(BaseHook):
     ``direct_io`` (default True) writes checkpoint files past the page cache (``O_DIRECT``) where the
     file system allows it, and through it elsewhere; ``False`` always goes through the page cache,
     for a file system where that is faster (see ``CheckpointStore``).
+
+    Other hooks keep pointers beside ``latest`` (``EarlyStoppingHook``: ``best``) through
+    ``point_when_saved`` and ``point_to_loaded``; pruning never deletes a pointer's target.
     """
 
     def __init__(
@@ -175,6 +178,27 @@ class CheckpointingHook(BaseHook):
                 self.store.close()
             if trainer.exit_reason not in ("failed", "interrupted"):  # a failing rank may never arrive
                 collectives.barrier()
+
+    # ------------------------------------------------------------------ pointers, for other hooks
+    def point_when_saved(self, pointer: str, step: int) -> None:
+        """Have ``pointer`` (a name such as ``"best"``) name the first checkpoint saved at ``step`` or
+        later, moved as part of that save: right after ``latest`` and before pruning, on the thread
+        that writes it (an asynchronous save's too), so its target is protected from the start.
+
+        Call it from RESTORE on (the store is open), before that save begins; a later call for the
+        same pointer replaces an earlier one. Ask for the checkpoint itself with ``wants_checkpoint``.
+        """
+        if self.store is None:
+            raise RuntimeError("CheckpointingHook points at checkpoints only after RESTORE opened its store")
+        self.store.point_when_saved(pointer, step)
+
+    def point_to_loaded(self, trainer: BaseTrainer, pointer: str) -> None:
+        """Make ``pointer`` name the checkpoint this run resumed from, now. Done by rank 0, which
+        writes the store; nothing on the other ranks, when no checkpoint was loaded, or when it was
+        loaded from outside this hook's directory (``load=`` a path elsewhere)."""
+        store, loaded = self.store, self.loaded_from
+        if store is not None and loaded is not None and loaded.parent == store.root and trainer.rank == 0:
+            store.point(pointer, loaded.name)
 
     def _root(self, trainer: BaseTrainer) -> Path:
         workspace = trainer.workspace

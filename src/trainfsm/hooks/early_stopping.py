@@ -7,8 +7,8 @@ otherwise (NaN and infinities included) the count of evaluations without improve
 ``patience`` the hook asks the machine to stop (``wants_stop``): the trainer checkpoints, since
 ``CheckpointingHook`` saves whenever an exit reason is set, and EXITs with reason ``stopped``.
 
-The ``best`` pointer: an improvement asks for a checkpoint (``wants_checkpoint``) and registers
-``best`` with the checkpoint store, which moves it as part of that save, right after ``latest``
+The ``best`` pointer: an improvement asks for a checkpoint (``wants_checkpoint``) and has
+``CheckpointingHook.point_when_saved`` move ``best`` as part of that save, right after ``latest``
 and before pruning (also for an asynchronous save), and pruning never deletes a pointer's target.
 When the value is logged at the step's decision point, as ``ValidationHook`` does when it is listed
 before this hook, that checkpoint holds exactly the evaluated weights. A value logged later in a
@@ -28,7 +28,6 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
-from trainfsm.checkpoint import CheckpointStore
 from trainfsm.hooks.base import BaseHook
 from trainfsm.hooks.checkpointing import CheckpointingHook
 from trainfsm.hooks.validation import ValidationHook
@@ -76,7 +75,7 @@ class EarlyStoppingHook(BaseHook):
         self.best_step: int | None = None
         self.bad_evaluations = 0
         self._unsaved: int | None = None  # step of an improvement whose checkpoint is not made yet
-        self._store: CheckpointStore | None = None
+        self._checkpoints: CheckpointingHook | None = None  # the hook that keeps ``best``, found before training
 
     # ------------------------------------------------------------------ reading the metric
     def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
@@ -101,9 +100,9 @@ class EarlyStoppingHook(BaseHook):
             self.bad_evaluations += 1
             return False
         self.best, self.best_step, self.bad_evaluations = value, step, 0
-        if self._store is not None:
+        if self._checkpoints is not None:
             self._unsaved = step
-            self._store.point_when_saved(BEST, step)
+            self._checkpoints.point_when_saved(BEST, step)
         return True
 
     # ------------------------------------------------------------------ the machine's questions
@@ -135,17 +134,14 @@ class EarlyStoppingHook(BaseHook):
                 f"EarlyStoppingHook(monitor={self.monitor!r}) is listed before the ValidationHook(name="
                 f"{feeder.name!r}) that logs it; list it after, so that it decides on this step's evaluation."
             )
-        checkpointing = next((h for h in hooks if isinstance(h, CheckpointingHook)), None)
-        self._store = checkpointing.store if checkpointing is not None else None
+        self._checkpoints = next((h for h in hooks if isinstance(h, CheckpointingHook)), None)
         if self._unsaved is None:
             return
         # Resumed from the checkpoint that was saved with an improvement pending: that checkpoint is
         # the one ``best`` names (again, in case the process died before the pointer moved).
         self._unsaved = None
-        loaded = checkpointing.loaded_from if checkpointing is not None else None
-        store = self._store
-        if store is not None and loaded is not None and loaded.parent == store.root and trainer.rank == 0:
-            store.point(BEST, loaded.name)
+        if self._checkpoints is not None:
+            self._checkpoints.point_to_loaded(trainer, BEST)
 
     def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
         state_dict[self.key] = {
