@@ -18,30 +18,23 @@ Why each step of a save is there (a crash may happen between any two of them):
    waits for this save (``point_when_saved``), and only then are old checkpoints pruned, so there
    is always a complete newest checkpoint on disk and a pointer never names a deleted one.
 
-Loading checks the manifest (format, sizes, checksums) before ``torch.load(weights_only=True)``
-touches a byte, so neither a truncated file nor a pickle that would run code is ever unpickled.
-A checkpoint that fails the check is skipped for the next older one (``candidates``).
-
-Checksums: ``xxh3_128`` by default, or ``sha256`` (``checksum=``). A checksum stored beside the
-data guards against torn writes, bit rot and truncation, not against someone who can rewrite the
-manifest as well, so a cryptographic hash buys nothing by default. The manifest (format 5) names
-its algorithm and a load verifies with whichever one it names; manifests of formats 1-4 still
-load and verify.
+Loading checks the manifest before a byte is unpickled (``verify`` / ``load``, from
+``checkpoint_format``, which holds the manifest's format and its checks); a checkpoint that fails
+the check is skipped for the next older one (``candidates``).
 
 A sharded checkpoint (``CheckpointingHook(sharded=...)``) is made the same way: every rank writes
 its shards into the one temporary directory rank 0 made (``begin``), describes its files
 (``describe_file``), and rank 0 lists them all in the manifest (``save(..., into=...,
 written=...)``), so it is complete only when every rank's part is durable.
 
-How the bytes get to the disk fast (staging buffers, ``O_DIRECT``, checksums on the way) is
-``checkpoint_io``'s business; this module is the order in which they must get there.
+What a complete checkpoint holds and how a reader checks it is ``checkpoint_format``'s business;
+how the bytes get to the disk fast (staging buffers, ``O_DIRECT``, checksums on the way) is
+``checkpoint_io``'s; this module is the order in which they must get there.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import shutil
 import threading
 import time
@@ -52,35 +45,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import torch
-
+from trainfsm import checkpoint_format
+from trainfsm.checkpoint_format import (
+    FORMAT,
+    KEEP_SUFFIX,
+    MANIFEST,
+    READS,
+    CheckpointError,
+    encode_manifest,
+    parse_step,
+)
 from trainfsm.checkpoint_io import (
-    CHECKSUMS,
     IO_THREADS,
     DurableWriter,
     Staging,
     check_checksum,
     digest,
-    file_sums,
     fsync_dir,
     serialize,
     write_durable,
 )
 
-MANIFEST: Final = "manifest.json"
+__all__ = [
+    "FORMAT",
+    "KEEP_SUFFIX",
+    "LATEST",
+    "MANIFEST",
+    "READS",
+    "TMP_PREFIX",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointStore",
+    "parse_step",
+]
+
 LATEST: Final = "latest"
-KEEP_SUFFIX: Final = "_keep"
 TMP_PREFIX: Final = ".tmp-"
-#: 5: the manifest names its "checksum" algorithm and each file has one sum of it ("digest"); a
-#: sharded one adds "sharded", "world_size" and each shard's writer ("rank"). Still read: 4 (the
-#: same with a sum per chunk, "chunks"), and, all sha256, 3 (format 2, sharded), 2 (a sum per
-#: chunk, "sha256_chunks"), 1 (one sum per file, "sha256").
-FORMAT: Final = 5
-READS: Final = (1, 2, 3, 4, 5)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupt; the message names the file and the problem."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,24 +88,6 @@ class Checkpoint:
     step: int
     path: Path
     kept: bool
-
-
-def _matches(file: Path, expected: dict[str, Any], checksum: str) -> bool:
-    """Whether ``file`` has the sum(s) its manifest entry lists."""
-    if "digest" in expected:
-        return file_sums(file, checksum) == [expected["digest"]]
-    sums = expected.get("chunks", expected.get("sha256_chunks"))
-    if sums is not None:
-        chunk = expected.get("chunk_bytes")
-        return isinstance(chunk, int) and chunk > 0 and file_sums(file, checksum, chunk) == sums
-    return file_sums(file, "sha256") == [expected.get("sha256")]
-
-
-def parse_step(name: str) -> tuple[int, bool] | None:
-    """(step, kept) for a checkpoint directory name, None for anything else."""
-    kept = name.endswith(KEEP_SUFFIX)
-    digits = name[: -len(KEEP_SUFFIX)] if kept else name
-    return (int(digits), kept) if digits.isdigit() else None
 
 
 class CheckpointStore:
@@ -235,20 +217,7 @@ class CheckpointStore:
             total += size
         for folder in sorted({(tmp / relative).parent for relative in written or {}}):
             fsync_dir(folder)  # the other ranks' file names are durable before the manifest names them
-        from trainfsm import __version__
-
-        manifest: dict[str, Any] = {
-            "format": FORMAT,
-            "checksum": self.checksum,
-            "step": step,
-            "kept": keep,
-            "created": time.time(),
-            "files": files,
-            "versions": {"trainfsm": __version__, "torch": torch.__version__, "python": platform.python_version()},
-        }
-        if written is not None:
-            manifest.update(sharded=True, world_size=world_size)
-        manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        manifest_bytes = encode_manifest(step, keep, files, self.checksum, world_size if written is not None else None)
         checksum = write_durable(tmp / MANIFEST, manifest_bytes, self.checksum)  # last: it marks the set complete
         fsync_dir(tmp)
         target = self.root / name
@@ -362,76 +331,15 @@ class CheckpointStore:
     # ------------------------------------------------------------------ verifying and loading
     @staticmethod
     def verify(path: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
-        """The manifest of a complete, intact checkpoint; CheckpointError naming what is wrong.
+        """The manifest of a complete, intact checkpoint; CheckpointError naming what is wrong
+        (``share=(rank, world_size)``: a rank's share of a sharded one; see ``checkpoint_format.verify``)."""
+        return checkpoint_format.verify(path, share)
 
-        ``share=(rank, world_size)``: of a sharded checkpoint, check only this rank's share of the
-        files (those its ``rank`` wrote, modulo ``world_size``; rank 0 also the files without one),
-        so that the ranks verify it together; they must then agree on the outcome. Every file of
-        a checkpoint that is not sharded is checked either way.
-        """
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
-        manifest_path = path / MANIFEST
-        if not manifest_path.is_file():
-            raise CheckpointError(f"checkpoint {path} is incomplete: {MANIFEST} is missing (an interrupted save?)")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{manifest_path} is not valid JSON ({exc})") from None
-        found = manifest.get("format") if isinstance(manifest, dict) else None
-        if found not in READS or not isinstance(manifest.get("files"), dict):
-            raise CheckpointError(
-                f"{manifest_path} has unknown format {found!r} (this trainfsm reads formats "
-                f"{', '.join(map(str, READS))})"
-            )
-        parsed = parse_step(path.name)
-        if parsed is not None and manifest.get("step") != parsed[0]:
-            raise CheckpointError(
-                f"{manifest_path} describes step {manifest.get('step')!r}, not {parsed[0]} (a manifest from "
-                f"another checkpoint?)"
-            )
-        checksum = manifest.get("checksum", "sha256") if found >= 4 else "sha256"
-        if checksum not in CHECKSUMS:
-            raise CheckpointError(
-                f"{manifest_path} names checksum {checksum!r}; this trainfsm verifies {', '.join(CHECKSUMS)}"
-            )
-        listed: dict[str, Any] = manifest["files"]
-        if share is not None and manifest.get("sharded"):
-            rank, world = share
-            listed = {n: e for n, e in listed.items() if _owner(e, world) == rank}
-        for name, expected in listed.items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{file} is missing (listed in {MANIFEST})")
-            size = file.stat().st_size
-            if size != expected.get("bytes"):
-                raise CheckpointError(
-                    f"{file} has {size} bytes, the manifest says {expected.get('bytes')} (truncated?)"
-                )
-            if not _matches(file, expected, checksum):
-                raise CheckpointError(f"{file} does not match its {checksum} in {MANIFEST} (corrupted)")
-        return manifest  # type: ignore[no-any-return]
-
-    @classmethod
-    def load(cls, path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Verify (unless given the ``manifest`` ``verify`` returned), then load every ``.pt`` file
-        with ``weights_only=True``: file stem -> object. Of a sharded checkpoint, that is
-        ``training_state`` and ``hooks``: its model and optimizer are read with DCP (the hook does)."""
-        if manifest is None:
-            manifest = cls.verify(path)
-        parts = {}
-        for name in manifest["files"]:
-            if "/" in name or not name.endswith(".pt"):
-                continue  # a shard of a sharded checkpoint
-            try:
-                parts[name.removesuffix(".pt")] = torch.load(path / name, map_location="cpu", weights_only=True)
-            except Exception as exc:  # weights_only refuses arbitrary pickles: say so, run nothing
-                raise CheckpointError(
-                    f"{path / name} could not be loaded safely with weights_only=True ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else ''}); it holds objects other than tensors and "
-                    f"plain containers, or is not a torch file"
-                ) from None
-        return parts
+    @staticmethod
+    def load(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Verify (unless given the ``manifest`` ``verify`` returned), then load every ``.pt`` file with
+        ``weights_only=True``: file stem -> object (see ``checkpoint_format.load``)."""
+        return checkpoint_format.load(path, manifest)
 
     # ------------------------------------------------------------------ pruning
     def prune(self, keep_previous: int) -> list[Checkpoint]:
@@ -452,13 +360,6 @@ class CheckpointStore:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
                 removed.append(checkpoint)
         return removed
-
-
-def _owner(entry: dict[str, Any], world: int) -> int:
-    """The rank that verifies a file of a sharded checkpoint: the one that wrote it, modulo the
-    world size that reads it; rank 0 for files rank 0 wrote alone (training_state.pt, hooks.pt)."""
-    rank = entry.get("rank", 0)
-    return rank % world if isinstance(rank, int) and rank >= 0 else 0
 
 
 def _check_pointer(pointer: str) -> None:
@@ -487,37 +388,3 @@ def _read_pointer(path: Path) -> str | None:
         except UnicodeDecodeError:
             return None
     return None
-
-
-def check_fits(path: Path, current: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Refuse a model state whose keys or shapes differ from the model's, naming them all.
-    ``saved`` holds tensors, or (a sharded checkpoint's metadata) their global ``torch.Size``.
-
-    Checked before anything is loaded, so a mismatch changes nothing: torch would otherwise
-    report only the first problem it meets, or fail on the optimizer's state first.
-    """
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
-    shapes = sorted(
-        f"{key} (checkpoint {tuple(saved_shape)}, model {tuple(model_shape)})"
-        for key in set(current) & set(saved)
-        if (model_shape := _shape(current[key])) is not None
-        and (saved_shape := _shape(saved[key])) is not None
-        and model_shape != saved_shape
-    )
-    problems = [
-        f"{label}: {', '.join(items)}"
-        for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatch", shapes))
-        if items
-    ]
-    if problems:
-        raise CheckpointError(
-            f"{path} does not fit the model ({'; '.join(problems)}). Resume with the model it was saved "
-            f"from, or load it with load=None and copy the weights you want yourself."
-        )
-
-
-def _shape(value: Any) -> torch.Size | None:
-    if isinstance(value, torch.Tensor):
-        return value.shape  # a DTensor's is the global shape
-    return value if isinstance(value, torch.Size) else None
