@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from trainfsm import machine as fsm
-from trainfsm.events import FORMAT_VERSION, EventLog
+from trainfsm.events import EventLog
+from trainfsm.schema import FORMAT_VERSION
 from trainfsm.tools.audit import audit
 
 STEP_RATES = (1.0, 10.0, 100.0)  # steps per second

@@ -26,7 +26,8 @@ from tests.helpers import (
     transitions_of,
 )
 from trainfsm import STATES, BaseHook, BaseTrainer
-from trainfsm.events import BATCH, EVENT_FIELDS, FORMAT_VERSION, render_console
+from trainfsm.events import BATCH, render_console
+from trainfsm.schema import EVENT_FIELDS, FORMAT_VERSION
 
 
 # ---------------------------------------------------------------- the file

@@ -51,7 +51,7 @@ def mixed_precision(value: Any) -> str | None:
 
 
 def trail_form(value: Any) -> str:
-    from trainfsm.events import TRAIL_FORMS
+    from trainfsm.schema import TRAIL_FORMS
 
     if not isinstance(value, str) or value not in TRAIL_FORMS:
         raise ValueError(

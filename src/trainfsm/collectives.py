@@ -44,7 +44,7 @@ from typing import Any, Final
 
 import torch
 
-from trainfsm.events import new_run_id
+from trainfsm.schema import new_run_id
 from trainfsm.utils import user_stacklevel
 
 # What the backends say when a collective failed because of another rank: torch's own DistError

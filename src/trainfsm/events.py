@@ -1,8 +1,5 @@
-"""The audit trail: one JSON object per line, per rank, in ``WORKSPACE/logs/events.rank{R}.jsonl``.
-
-Every event carries ``ts`` (seconds since the epoch), ``event``, ``rank``, ``step``, ``state``,
-``run_id`` and ``attempt``. Event names and their fields are listed in ``EVENT_FIELDS``; the
-``trainfsm`` command and the tests read the trail by these names.
+"""The audit trail's writer: ``EventLog``, one JSON object per line, per rank (the schema, the
+event names and their fields, is ``trainfsm.schema``; the reader ``trainfsm.trail``).
 
 The library never calls ``structlog.configure()``: that is the application's business. It wraps its
 own sink with its own processors instead, so a user's structlog setup is untouched. People get a
@@ -31,7 +28,6 @@ import sys
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import IO, Any, Final
@@ -39,7 +35,8 @@ from typing import IO, Any, Final
 import structlog
 
 from trainfsm import segments
-from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START, ExitReason
+from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
+from trainfsm.schema import transition_event
 
 try:  # orjson renders an event ~5x faster than json; both give the same JSON lines.
     import orjson
@@ -52,61 +49,6 @@ except ImportError:  # pragma: no cover - exercised where orjson is absent
     def _dumps(event: MutableMapping[str, Any]) -> bytes:
         return (json.dumps(event, default=str, separators=(",", ":")) + "\n").encode()
 
-
-#: 2: routine steps are written as compact ``steps`` records (1: every transition verbatim).
-#: The readers take both.
-FORMAT_VERSION: Final = 2
-READABLE_FORMATS: Final = (1, 2)
-
-#: Event name -> the fields it adds to the common ones. Decision events are INFO for people.
-EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
-    "run_start": ("format", "versions", "world_size", "max_steps", "config", "signals", "torchelastic", "trail"),
-    "transition": ("trigger", "source", "dest"),
-    # Routine steps first..step (``step`` is the last), each ``micro`` micro-batches long: ``ts`` is
-    # the last step's end, ``dt`` each step's duration in integer microseconds (from the previous
-    # step's end; the first's from its own start, which is ``ts`` less the sum of ``dt``).
-    "steps": ("first", "micro", "dt"),
-    "restore": ("resumed", "from_step"),
-    "epoch": ("epoch",),
-    "data_resumed": ("mode", "why", "epoch", "batches", "positioned", "seconds"),
-    "data_exhausted": ("epochs", "dropped_micro_batches"),
-    "metrics": ("values",),
-    "loss_none": ("micro", "ranks"),
-    "non_finite": ("what", "retry", "max", "scale"),
-    "checkpoint_saved": (
-        "path",
-        "saved_step",
-        "bytes",
-        "seconds",
-        "checksum",
-        "kept",
-        "asynchronous",
-        "sharded",
-        "direct_io",
-    ),
-    "checkpoint_loaded": ("path", "from_step", "sharded"),
-    "checkpoint_skipped": ("path", "reason"),
-    "checkpoint_pruned": ("paths",),
-    "checkpoint_tmp_removed": ("names",),
-    "checkpoint_store_ready": ("seconds",),
-    "checkpoint_failed": ("type", "message"),
-    "signal_received": ("signal", "received_at", "at_step", "at_state"),
-    "signal_agreed": ("signal", "agreed_step"),
-    "signal_passed_on": ("signal", "received_at", "at_state", "disposition"),
-    "requeue": ("command", "ok", "message"),
-    "wandb_run": ("wandb_id", "continued", "mode"),
-    "early_stop": ("monitor", "best", "best_step", "bad_evaluations", "patience"),
-    "cuda_memory_unavailable": ("device",),
-    "collective_failed": ("note", "trails"),
-    "group_outlives_destroy": ("cause",),
-    "exception": ("type", "message", "traceback"),
-    "exit": ("reason", "code"),
-}
-
-EXIT_REASONS: Final = tuple(reason.value for reason in ExitReason)
-
-#: The trail's forms: routine steps as ``steps`` records, or every transition verbatim (debugging).
-TRAIL_FORMS: Final = ("compact", "full")
 
 #: Verbatim transitions rendered per batch. Rendering them in a burst keeps structlog's objects in
 #: cache; one at a time between a step's kernels, each costs several times more.
@@ -425,22 +367,6 @@ class EventLog:
             self._compressing = None
 
 
-def transition_event(
-    ts: float, step: int, trigger: str, source: str, dest: str, common: dict[str, Any]
-) -> dict[str, Any]:
-    """A transition as the trail holds it (``common``: rank, run_id, attempt)."""
-    return {
-        "ts": ts,
-        "event": "transition",
-        **common,
-        "step": step,
-        "state": dest,
-        "trigger": trigger,
-        "source": source,
-        "dest": dest,
-    }
-
-
 def notice(console: logging.Logger | logging.LoggerAdapter[logging.Logger], text: str) -> None:
     """A line people must see (a resume, a preemption's save) even when nobody set up logging.
 
@@ -463,40 +389,3 @@ def render_console(event: MutableMapping[str, Any]) -> str:
     )
     head = f"[rank {event.get('rank', 0)}] step {event.get('step')} {event.get('state')} {event['event']}"
     return f"{head} {fields}" if fields else head
-
-
-def new_run_id() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-def previous_attempt(path: Path) -> tuple[str, int] | None:
-    """(run_id, attempt) of the last complete event in an existing trail, or None.
-
-    Reads only the tail of the file being written, or of the last closed segment when that file
-    is empty (a process killed right after rotating): trails of week-long runs are large. A
-    truncated last line (a killed writer) is skipped.
-    """
-    for file in reversed(segments.files_of(path)):
-        found = _last_attempt_in(file)
-        if found is not None:
-            return found
-    return None
-
-
-def _last_attempt_in(path: Path) -> tuple[str, int] | None:
-    with segments.open_segment(path) as f:
-        if path.name.endswith(segments.COMPRESSED):
-            tail = f.read()[-(1 << 16) :].splitlines()  # a closed segment: bounded by SEGMENT_BYTES
-        else:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - (1 << 16)))
-            tail = f.read().splitlines()
-    for line in reversed(tail):
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and "attempt" in event and "run_id" in event:
-            return str(event["run_id"]), int(event["attempt"])
-    return None

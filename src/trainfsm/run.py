@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainfsm import collectives, slurm
-from trainfsm.events import FLUSH_SECONDS, FORMAT_VERSION, EventLog, new_run_id, previous_attempt
+from trainfsm.events import FLUSH_SECONDS, EventLog
 from trainfsm.machine import ExitReason
 from trainfsm.preemption import Preemption
+from trainfsm.schema import FORMAT_VERSION, new_run_id
+from trainfsm.segments import previous_attempt
 
 if TYPE_CHECKING:
     from transitions import Machine

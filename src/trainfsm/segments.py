@@ -22,6 +22,7 @@ offline commands stay light.
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
 import shutil
@@ -116,3 +117,36 @@ def unfinished(active: Path) -> list[Path]:
     for stale in active.parent.glob(f"events.rank{rank}.*.jsonl{COMPRESSED}.tmp"):
         stale.unlink(missing_ok=True)
     return [p for p in closed_segments(active) if not p.name.endswith(COMPRESSED)]
+
+
+def previous_attempt(path: Path) -> tuple[str, int] | None:
+    """(run_id, attempt) of the last complete event in an existing trail, or None.
+
+    Reads only the tail of the file being written, or of the last closed segment when that file
+    is empty (a process killed right after rotating): trails of week-long runs are large. A
+    truncated last line (a killed writer) is skipped.
+    """
+    for file in reversed(files_of(path)):
+        found = _last_attempt_in(file)
+        if found is not None:
+            return found
+    return None
+
+
+def _last_attempt_in(path: Path) -> tuple[str, int] | None:
+    with open_segment(path) as f:
+        if path.name.endswith(COMPRESSED):
+            tail = f.read()[-(1 << 16) :].splitlines()  # a closed segment: bounded by SEGMENT_BYTES
+        else:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - (1 << 16)))
+            tail = f.read().splitlines()
+    for line in reversed(tail):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "attempt" in event and "run_id" in event:
+            return str(event["run_id"]), int(event["attempt"])
+    return None

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm import segments
-from trainfsm.events import FORMAT_VERSION, READABLE_FORMATS, transition_event
 from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
+from trainfsm.schema import FORMAT_VERSION, READABLE_FORMATS, transition_event
 
 try:  # orjson parses a line several times faster than json; both accept the same lines.
     import orjson

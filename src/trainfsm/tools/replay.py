@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from trainfsm import machine as fsm
-from trainfsm.events import EXIT_REASONS
+from trainfsm.schema import EXIT_REASONS
 from trainfsm.trail import Record
 
 #: The machine's table as the trainer runs it: (trigger, source, dest) rows.
