@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm import segments
+from trainfsm.machine import ExitReason
 from trainfsm.tools.replay import Problem, RankAttempt, Replay
 from trainfsm.tools.report import (
     SCHEMA,
@@ -79,7 +80,8 @@ PROBLEM_KINDS: Final = (
     "rank_disagreement",
     "malformed",
 )
-RUN_PROBLEM_KINDS: Final = ("failed", "interrupted", "killed", "requeue_refused")
+#: A failed or interrupted run (its exit reason), an attempt killed and not resumed, a refused requeue.
+RUN_PROBLEM_KINDS: Final = (ExitReason.FAILED.value, ExitReason.INTERRUPTED.value, "killed", "requeue_refused")
 
 
 def audit(inputs: Iterable[Path], jobs: int | None = None) -> AuditReport:
@@ -274,7 +276,7 @@ def _run_problems(attempts: list[AttemptReport]) -> list[Problem]:
                 last.attempt,
             )
         )
-    for reason in ("failed", "interrupted"):
+    for reason in (ExitReason.FAILED, ExitReason.INTERRUPTED):
         ranks = [r for r in last.ranks if (r.exit or {}).get("reason") == reason]
         if not ranks:
             continue

@@ -61,6 +61,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from trainfsm.machine import ExitReason
 from trainfsm.tools.replay import Problem, RankAttempt
 from trainfsm.trail import Note
 
@@ -374,7 +375,7 @@ def _how_ended(r: RankAttempt) -> str:
     if r.exit is None:
         return f"killed (no exit event; the trail ends in {r.end_state} at step {r.end_step})"
     text = f"{r.exit['reason']} (code {r.exit['code']}"
-    if r.exit["reason"] == "failed" and r.exceptions:
+    if r.exit["reason"] == ExitReason.FAILED and r.exceptions:
         text += f", {r.exceptions[0]['type']}: {first_line(r.exceptions[0]['message'])[:80]}"
     return text + ")"
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from trainfsm.machine import ExitReason
 from trainfsm.tools.audit import audit_trail
 from trainfsm.tools.report import AttemptReport, AuditReport, since_text, verdict
 from trainfsm.trail import Record, open_trail
@@ -26,7 +27,7 @@ from trainfsm.trail import Record, open_trail
 DEFAULT_EVENTS: Final = 10
 
 #: Exit reasons that get a story (as does an attempt without an exit event).
-_TRACED: Final = frozenset({"failed", "interrupted", "preempted"})
+_TRACED: Final = frozenset({ExitReason.FAILED, ExitReason.INTERRUPTED, ExitReason.PREEMPTED})
 
 #: Fields every event has; the rest are what an event says.
 _COMMON: Final = frozenset({"ts", "event", "rank", "step", "state", "run_id", "attempt", "traceback"})
