@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainfsm import machine as fsm
 from trainfsm import arguments as check
+from trainfsm import machine as fsm
 from trainfsm.collectives import (
     LossNoneAgreement,
     LossNoneWarning,
