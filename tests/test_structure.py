@@ -87,3 +87,36 @@ def test_every_public_name_has_one_source_and_resolves():
     assert set(trainfsm.__all__) == {*trainfsm._SOURCES, "__version__"}
     for name in trainfsm._SOURCES:
         assert getattr(trainfsm, name) is getattr(__import__(trainfsm._SOURCES[name], fromlist=[name]), name)
+
+
+def test_the_trainer_owns_its_resumable_state_a_hook_only_stores_and_loads_it(tmp_path):
+    """``state_dict()`` carries step, epoch, this rank's random streams and data position; a hook
+    that calls only the public ``load_state_dict`` resumes exactly (nothing private involved)."""
+    import torch
+
+    from tests.helpers import make_batches
+
+    batches = make_batches(3)
+    straight = TinyTrainer(max_steps=7, batches=batches)
+    straight.train()
+
+    first = TinyTrainer(max_steps=4, batches=batches)
+    first.train()
+    saved = first.state_dict()
+    expected_draw = torch.rand(3)  # the global stream right after the state was taken
+
+    class Load(BaseHook):
+        def on_enter_restore(self, trainer):  # type: ignore[no-untyped-def]
+            trainer.load_state_dict(saved)
+
+        def on_before_train(self, trainer):  # type: ignore[no-untyped-def]
+            self.draw = torch.rand(3)
+
+    load = Load()
+    second = TinyTrainer(max_steps=7, batches=batches, hooks=[load])
+    torch.manual_seed(99)  # whatever the stream was before, the saved one comes back
+    second.train()
+    assert (saved["step"], saved["epoch"], saved["rank_state"]["data"]["batches"]) == (4, 1, 1)
+    assert second.seen == straight.seen[4:]
+    torch.testing.assert_close(load.draw, expected_draw, rtol=0, atol=0)
+    torch.testing.assert_close(second.model.weight, straight.model.weight, rtol=0, atol=0)

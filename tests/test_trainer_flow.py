@@ -780,7 +780,9 @@ def test_state_dict_has_the_documented_keys_and_hook_additions(make_trainer):
     trainer = make_trainer(max_steps=3, batches=make_batches(2), hooks=[Extra()])
     trainer.train()
     state = trainer.state_dict()
-    assert set(state) == {"model", "optimizer", "lr_scheduler", "grad_scaler", "step", "epoch", "extra"}
+    assert set(state) == {"model", "optimizer", "lr_scheduler", "grad_scaler", "step", "epoch", "rank_state", "extra"}
+    assert set(state["rank_state"]) == {"rng", "data", "loss_none_skips"}
+    assert (state["rank_state"]["data"]["epoch"], state["rank_state"]["data"]["batches"]) == (1, 1)
     assert (state["step"], state["epoch"], state["lr_scheduler"], state["extra"]) == (3, 1, None, {"calls": 3})
     assert set(state["model"]) == {"weight", "bias"}
     torch.testing.assert_close(state["model"]["weight"], trainer.model.weight.detach(), rtol=0, atol=0)

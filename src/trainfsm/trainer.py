@@ -21,6 +21,7 @@ from torch import nn
 
 from trainfsm import arguments as check
 from trainfsm import machine as fsm
+from trainfsm import rng
 from trainfsm.collectives import (
     LossNoneAgreement,
     LossNoneWarning,
@@ -454,21 +455,17 @@ class BaseTrainer:
     def epoch(self, value: int) -> None:
         self._data.epoch = value
 
-    def data_state(self) -> dict[str, Any]:
-        """This rank's data position (epoch, batches drawn, epoch random state, loader state)."""
-        return self._data.state()
-
-    def resume_data(self, mode: str, saved: dict[str, Any], rng_state: dict[str, Any] | None) -> None:
-        """Ask RESTORE to position the data iterator as ``saved`` says, then restore ``rng_state``."""
-        self._data.resume_later(mode, saved, rng_state)
-
     # ---------------------------------------------------------------- state and helpers
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer, scheduler, scaler, step, epoch, and each hook's ``on_state_dict``."""
+    def state_dict(self, options: Any = None) -> dict[str, Any]:
+        """Model, optimizer, scheduler, scaler, the trainer's own state, and each hook's
+        ``on_state_dict``. The trainer's own: ``step``, ``epoch``, and ``rank_state``, this rank's
+        random streams, data position and loss=None skip count (a checkpoint keeps every rank's).
+        ``options``: torch's ``StateDictOptions`` for this call, else ``state_dict_options``."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = self._built_model_and_optimizer("state_dict")
-        model_state, optim_state = get_state_dict(model, optimizer, options=self.state_dict_options)
+        options = options if options is not None else self.state_dict_options
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
         state: dict[str, Any] = {
             "model": model_state,
             "optimizer": optim_state,
@@ -479,22 +476,37 @@ class BaseTrainer:
         }
         for hook in self.hooks:
             hook.on_state_dict(self, state)
+        # Last: the random streams as they stand once everything above ran.
+        state["rank_state"] = {
+            "rng": rng.capture(),
+            "data": self._data.state(),
+            "loss_none_skips": self.loss_none_skips,
+        }
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], options: Any = None, data_resume: str = "auto") -> None:
+        """The inverse of ``state_dict``. A ``rank_state`` entry (this rank's, or rank 0's on
+        another world size) puts the random streams back and has RESTORE position the data
+        iterator as ``data_resume`` says (``trainfsm.data_state``; "none": a fresh iterator)."""
         model, optimizer = self._built_model_and_optimizer("load_state_dict")
+        options = options if options is not None else self.state_dict_options
         # The scheduler before the optimizer: a scheduler's load may write its view of the
         # learning rates into the param groups, and the optimizer's saved groups (lr,
         # initial_lr) must be the last word, or a resumed run trains at the wrong rate.
         if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        load_model_and_optimizer(model, optimizer, state["model"], state["optimizer"], self.state_dict_options)
+        load_model_and_optimizer(model, optimizer, state["model"], state["optimizer"], options)
         if self.grad_scaler is not None and state.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         self.step = int(state["step"])
         self.epoch = int(state.get("epoch", 0))
         for hook in self.hooks:
             hook.on_load_state_dict(self, state)
+        mine = state.get("rank_state")
+        if mine is not None and data_resume == "none":
+            rng.restore(mine["rng"])
+        elif mine is not None:
+            self._data.resume_later(data_resume, mine["data"], mine["rng"])
 
     def _built_model_and_optimizer(self, method: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         if self.model is None or self.optimizer is None:

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm import collectives, rng
+from trainfsm import collectives
 from trainfsm.checkpoint import CheckpointError, CheckpointStore
 from trainfsm.events import notice
-from trainfsm.hooks.checkpoint_common import state_dict_options
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -109,19 +108,14 @@ def _apply(
 ) -> None:
     state = {**parts.get("model", {}), **parts.get("training_state", {}), **parts.get("hooks", {})}
     ranks = state.pop("ranks", None)
+    if ranks:  # each rank resumes its own random streams and data; on another world size, rank 0's
+        state["rank_state"] = ranks[trainer.rank] if trainer.rank < len(ranks) else ranks[0]
     sharded = bool(manifest.get("sharded"))
     if sharded:
-        _load_sharded(trainer, path, state, current)
+        _load_sharded(trainer, path, state, current, data_resume)
     else:
         check_fits(path, current, state["model"])
-        trainer.load_state_dict(state)
-    if ranks:
-        # Each rank resumes its own random streams; on a different world size, rank 0's.
-        mine = ranks[trainer.rank] if trainer.rank < len(ranks) else ranks[0]
-        if data_resume == "none":
-            rng.restore(mine["rng"])
-        else:
-            trainer.resume_data(data_resume, mine["data"], mine["rng"])
+        trainer.load_state_dict(state, data_resume=data_resume)
     trainer.audit.info(
         "checkpoint_loaded",
         path=str(path),
@@ -133,7 +127,9 @@ def _apply(
         notice(trainer.logger, f"resumed from checkpoint {trainer.step} ({path})")
 
 
-def _load_sharded(trainer: BaseTrainer, path: Path, state: dict[str, Any], current: dict[str, Any]) -> None:
+def _load_sharded(
+    trainer: BaseTrainer, path: Path, state: dict[str, Any], current: dict[str, Any], data_resume: str
+) -> None:
     """Model and optimizer in place with DCP (each rank reads what its shards need, whatever the
     world size that saved them), then the rest through ``trainer.load_state_dict``."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -148,8 +144,7 @@ def _load_sharded(trainer: BaseTrainer, path: Path, state: dict[str, Any], curre
     model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=view)  # type: ignore[arg-type]
     target = {"model": model_state, "optimizer": optim_state}
     sharded.load(target, directory)
-    with state_dict_options(trainer, view):
-        trainer.load_state_dict({**state, **target})
+    trainer.load_state_dict({**state, **target}, options=view, data_resume=data_resume)
 
 
 def check_fits(path: Path, current: dict[str, Any], saved: dict[str, Any]) -> None:

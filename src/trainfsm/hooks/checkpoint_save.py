@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
-from trainfsm import collectives, rng
+from trainfsm import collectives
 from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from trainfsm.checkpoint_io import describe_file
 from trainfsm.events import notice
 from trainfsm.hooks.async_save import BackgroundSaves, stage
-from trainfsm.hooks.checkpoint_common import state_dict_options
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -88,7 +87,7 @@ class Saver:
     def _save_full(self, trainer: BaseTrainer, keep: bool) -> None:
         state = trainer.state_dict()  # every rank: FSDP gathers collectively
         refuse_sharded(state["model"])  # on every rank alike, before any rank writes or waits
-        ranks = collectives.gather_objects(rank_state(trainer))
+        ranks = collectives.gather_objects(state.pop("rank_state"))
         check_ranks_in_step(ranks, trainer.step)  # on every rank alike, before anything is written
         if trainer.rank == 0:
             started = time.perf_counter()
@@ -117,8 +116,8 @@ class Saver:
         step = trainer.step
         started = time.perf_counter()
         view = sharded.sharded_view(trainer.state_dict_options)
-        with state_dict_options(trainer, view):
-            state = trainer.state_dict()  # each rank its own shards: nothing is gathered
+        state = trainer.state_dict(options=view)  # each rank its own shards: nothing is gathered
+        mine = state.pop("rank_state")
         tmp: Path | None = None
         error: str | None = None
         if rank == 0:
@@ -126,9 +125,7 @@ class Saver:
                 tmp = store.begin(step)
             except OSError as exc:
                 error = f"could not create a directory under {store.root}: {exc}"
-        shared = collectives.gather_objects(
-            {"state": rank_state(trainer), "tmp": None if tmp is None else str(tmp), "error": error}
-        )
+        shared = collectives.gather_objects({"state": mine, "tmp": None if tmp is None else str(tmp), "error": error})
         if shared[0]["error"] is not None:
             raise CheckpointError(f"sharded checkpoint at step {step} was not saved: rank 0 {shared[0]['error']}")
         try:
@@ -257,11 +254,6 @@ def saves_sharded(trainer: BaseTrainer, current: dict[str, Any], setting: bool |
             raise _refusal(next(key for key, value in current.items() if is_sharded(value)))
         return False
     return setting is True or split
-
-
-def rank_state(trainer: BaseTrainer) -> dict[str, Any]:
-    """What each rank contributes to a checkpoint: its random streams, data position, skip count."""
-    return {"rng": rng.capture(), "data": trainer.data_state(), "loss_none_skips": trainer.loss_none_skips}
 
 
 def with_hooks(state: dict[str, Any], **parts: Any) -> dict[str, Any]:
