@@ -343,3 +343,15 @@ def collective_note(rank: int, world: int, step: int, state: str, logs: Path | N
         f"that hangs or stays alive after failing, and NCCL, only at the process-group timeout{bound}. "
         f"The cause is in {where}."
     )
+
+
+def failed_collective(
+    exc: BaseException, rank: int, world: int, step: int, state: str, logs: Path | None
+) -> dict[str, Any] | None:
+    """When ``exc`` looks like a collective that failed because of another rank: add the note to
+    it (the type is kept) and return the ``collective_failed`` event's fields; else None."""
+    if world == 1 or not is_collective_error(exc):
+        return None
+    note = collective_note(rank, world, step, state, logs)
+    add_note(exc, note)
+    return {"note": note, "trails": trails(logs, rank, world)}

@@ -238,6 +238,16 @@ class Resumed:
     positioned: int  # batches skipped ("sampler") or replayed ("skip") to get there
     seconds: float
 
+    def as_event(self) -> dict[str, Any]:
+        """The ``data_resumed`` event's fields (less ``epoch``): how, why, and what it cost."""
+        return {
+            "mode": self.mode,
+            "why": self.why,
+            "batches": self.batches,
+            "positioned": self.positioned,
+            "seconds": round(self.seconds, 6),
+        }
+
 
 def resume(loader: Iterable[Any], mode: str, saved: dict[str, Any]) -> Resumed:
     """A new iterator positioned as ``saved`` says."""

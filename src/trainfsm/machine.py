@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from enum import Enum
 from functools import partial
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from transitions import Machine
 from transitions.core import Event
@@ -92,6 +92,31 @@ class ExitReason(str, Enum):
 
 
 TRIGGERS: Final[tuple[str, ...]] = tuple(trigger for trigger, _, _ in TRANSITIONS)
+
+
+class Triggers:
+    """The machine's names on its model, for type checkers: ``state`` and one method per trigger
+    (``BaseTrainer`` derives from this; at run time the class is empty, and ``build_machine``
+    refuses a model that defines any of these names itself)."""
+
+    #: The machine's current state; set by ``transitions`` once ``train()`` builds the machine.
+    state: str
+
+    if TYPE_CHECKING:  # attached to the model by transitions when the machine is built
+
+        def built(self) -> bool: ...
+        def restored(self) -> bool: ...
+        def micro(self) -> bool: ...
+        def non_finite(self) -> bool: ...
+        def retry(self) -> bool: ...
+        def stepped(self) -> bool: ...
+        def save(self) -> bool: ...
+        def resume(self) -> bool: ...
+        def finish(self) -> bool: ...
+        def exhausted(self) -> bool: ...
+        def preempt(self) -> bool: ...
+        def fail(self) -> bool: ...
+
 
 #: Triggers that take back the step STEP began (it found no data): the trainer's step is one less
 #: when they fire, and the audit's replay goes back with it.

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 @dataclass(slots=True, eq=False)
 class Run:
     machine: Machine
-    events: EventLog
+    event_log: EventLog  # the trail's writer; its logger is trainer.events
     preemption: Preemption
     logs: Path | None  # the workspace's logs directory (the trail), None without a workspace
     # Set in BUILD.
@@ -80,7 +80,7 @@ def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, 
         owner=trainer,
         form=trainer.trail_form,
     )
-    trainer.audit = events.log
+    trainer.events = events.log
     trainer.slurm = slurm.detect()
     preemption.open_trail(events.log, rank, world, trainer.slurm)
     events.log.info(

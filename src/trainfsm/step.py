@@ -240,3 +240,19 @@ def _check_forward_result(out: Any) -> tuple[torch.Tensor | None, Any]:
         f"{f' of length {len(out)}' if isinstance(out, tuple) else ''}. "
         f"Return e.g. `return loss, {{'accuracy': acc}}` (records may be an empty dict)."
     )
+
+
+def retries_used_up(step: int, retries: int, limit: int) -> RuntimeError:
+    """The error RETRY raises when a step's gradients stay non-finite past ``limit`` retries."""
+    if limit == 0:
+        return RuntimeError(
+            f"Step {step}: gradients are non-finite and retries are disabled "
+            f"(max_non_finite_grad_retries={limit}); set it to a positive integer to re-run "
+            f"the step on fresh micro-batches, or enable mixed_precision='fp16' with a grad scaler."
+        )
+    return RuntimeError(
+        f"Step {step}: gradients were non-finite on {retries + 1} attempts "
+        f"({retries} retries, max_non_finite_grad_retries={limit}); stopping instead of "
+        f"stepping non-finite values into the weights. Lower the learning rate, set grad_clip, "
+        f"or check the data."
+    )

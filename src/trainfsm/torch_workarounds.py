@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -83,3 +84,13 @@ def load_model_and_optimizer(model: Any, optimizer: Any, model_state: Any, optim
             group.update({key: value for key, value in saved.items() if key != "params"})
         return
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
+
+
+def warn_if_group_kept_alive(log: Any) -> None:
+    """Tell the user (a warning) and the trail (``group_outlives_destroy``) when the default group
+    was created before the import above could help (see the module doc)."""
+    if default_group_kept_alive():
+        from trainfsm.utils import user_stacklevel
+
+        log.warning("group_outlives_destroy", cause=GROUP_KEPT_ALIVE)
+        warnings.warn(GROUP_KEPT_ALIVE, GroupOutlivesDestroyWarning, stacklevel=user_stacklevel())

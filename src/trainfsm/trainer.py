@@ -10,7 +10,6 @@ runs is in ``trainfsm.run.Run``; preemption in ``trainfsm.preemption``; the data
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -22,29 +21,19 @@ from torch import nn
 from trainfsm import arguments as check
 from trainfsm import machine as fsm
 from trainfsm import rng
-from trainfsm.collectives import (
-    LossNoneAgreement,
-    LossNoneWarning,
-    add_note,
-    collective_note,
-    is_collective_error,
-    loss_none_ranks,
-    trails,
-)
+from trainfsm.collectives import LossNoneAgreement, LossNoneWarning, failed_collective, loss_none_ranks
 from trainfsm.data_state import EXHAUSTED, DataCursor
 from trainfsm.hooks.base import BaseHook, bindings, overrides
 from trainfsm.machine import ExitReason
 from trainfsm.preemption import ExitPolicy, Preemption, exit_policy
 from trainfsm.run import Run, exit_status, new_step, open_trail
-from trainfsm.step import Stepper
+from trainfsm.step import Stepper, retries_used_up
 from trainfsm.torch_workarounds import (
-    GROUP_KEPT_ALIVE,
-    GroupOutlivesDestroyWarning,
-    default_group_kept_alive,
     import_collectives_before_any_group,
     load_model_and_optimizer,
+    warn_if_group_kept_alive,
 )
-from trainfsm.utils import is_distributed_wrapper, unwrap, user_stacklevel
+from trainfsm.utils import is_distributed_wrapper, unwrap
 
 if TYPE_CHECKING:
     import signal
@@ -56,27 +45,9 @@ import_collectives_before_any_group()  # a script imports us before it creates i
 __all__ = ["BaseTrainer", "LossNoneWarning"]
 
 
-class BaseTrainer:
+class BaseTrainer(fsm.Triggers):
     """Subclass it, implement ``build_data_loader``, ``build_model``, ``build_optimizer`` and
     ``forward``, then call ``train()``."""
-
-    #: The machine's current state; set by ``transitions`` once ``train()`` builds the machine.
-    state: str
-
-    if TYPE_CHECKING:  # trigger methods that transitions attaches to the trainer in train()
-
-        def built(self) -> bool: ...
-        def restored(self) -> bool: ...
-        def micro(self) -> bool: ...
-        def non_finite(self) -> bool: ...
-        def retry(self) -> bool: ...
-        def stepped(self) -> bool: ...
-        def save(self) -> bool: ...
-        def resume(self) -> bool: ...
-        def finish(self) -> bool: ...
-        def exhausted(self) -> bool: ...
-        def preempt(self) -> bool: ...
-        def fail(self) -> bool: ...
 
     def __init__(
         self,
@@ -137,7 +108,7 @@ class BaseTrainer:
         self.rank, self.world_size = 0, 1
         self.run_id: str | None = None
         self.attempt = 0
-        self.audit: Any = None  # the trail's structlog logger
+        self.events: Any = None  # the trail's logger: self.events.info("name", **fields)
         self.slurm: SlurmJob | None = None
         self._run: Run | None = None  # everything that exists only while train() runs
         self._trained = False
@@ -190,13 +161,13 @@ class BaseTrainer:
 
     def _run_machine(self, preemption: Preemption) -> None:
         machine = fsm.build_machine(self)
-        events, logs = open_trail(self, preemption)
-        run = self._run = Run(machine, events, preemption, logs)
+        event_log, logs = open_trail(self, preemption)
+        run = self._run = Run(machine, event_log, preemption, logs)
         # The trainer's own bookkeeping is bound (and the machine compiled) before any user code
         # runs, so that a failure in BUILD is recorded like any other: transition, exception, exit.
         fsm.bind(machine, "enter", fsm.STEP, self._begin_step)
         fsm.bind(machine, "enter", fsm.EXIT, self._finish_exit)
-        machine.compile_events(self, events.transition_recorder)
+        machine.compile_events(self, event_log.transition_recorder)
         runs: dict[str, Callable[[], Callable[[], bool] | None]] = {
             fsm.BUILD: self._run_build,
             fsm.RESTORE: self._run_restore,
@@ -215,7 +186,7 @@ class BaseTrainer:
             self._fail(exc)
             raise
         finally:
-            events.close()
+            event_log.close()
         if self.exit_reason is ExitReason.PREEMPTED:
             preemption.wait_before_exit()
             raise SystemExit(self.exit_code)
@@ -225,11 +196,10 @@ class BaseTrainer:
     def _fail(self, exc: BaseException) -> None:
         run = self._run
         assert run is not None
-        if self.world_size > 1 and is_collective_error(exc):  # most likely another rank's failure
-            note = collective_note(self.rank, self.world_size, self.step, self.state, run.logs)
-            add_note(exc, note)
-            self.audit.error("collective_failed", note=note, trails=trails(run.logs, self.rank, self.world_size))
-        run.events.exception(exc)
+        failed = failed_collective(exc, self.rank, self.world_size, self.step, self.state, run.logs)
+        if failed is not None:  # most likely another rank's failure: the note says where to look
+            self.events.error("collective_failed", **failed)
+        run.event_log.exception(exc)
         if self.state == fsm.EXIT:
             return
         self.exit_reason, self.exit_code = exit_status(exc)
@@ -237,7 +207,7 @@ class BaseTrainer:
         try:
             self.fail()
         except BaseException as inner:  # EXIT's own work failed: record it, keep the original error
-            run.events.exception(inner)
+            run.event_log.exception(inner)
 
     # ---------------------------------------------------------------- states
     def _run_build(self) -> Callable[[], bool]:
@@ -248,15 +218,13 @@ class BaseTrainer:
         self.data_loader = check.built("build_data_loader", self.build_data_loader(), Iterable)
         self.model = check.built("build_model", self.build_model(), nn.Module)
         self.optimizer = check.built("build_optimizer", self.build_optimizer(), torch.optim.Optimizer)
-        if default_group_kept_alive():  # checked here: building the first optimizer may import it
-            self.audit.warning("group_outlives_destroy", cause=GROUP_KEPT_ALIVE)
-            warnings.warn(GROUP_KEPT_ALIVE, GroupOutlivesDestroyWarning, stacklevel=user_stacklevel())
+        warn_if_group_kept_alive(self.events)  # checked here: building the first optimizer may import it
         self.lr_scheduler = self.build_lr_scheduler()
         self.grad_scaler = check.built("build_grad_scaler", self.build_grad_scaler(), torch.amp.GradScaler)
         self.hooks = list(check.built("build_hooks", self.build_hooks(), (list, tuple)))
         for hook in self.hooks:
             check.built("build_hooks", hook, BaseHook)
-        self._data.attach(self.data_loader, self.max_epochs, self.audit)
+        self._data.attach(self.data_loader, self.max_epochs, self.events)
         model = self.model
         run.warn_loss_none = is_distributed_wrapper(model)
         no_sync = getattr(model, "no_sync", None)
@@ -293,25 +261,17 @@ class BaseTrainer:
                     fsm.bind(m, kind, target, partial(self._guarded, callback), before=self._finish_exit)
                 else:
                     fsm.bind(m, kind, target, callback)
-        m.compile_events(self, run.events.transition_recorder)
+        m.compile_events(self, run.event_log.transition_recorder)
 
     def _run_restore(self) -> Callable[[], bool]:
         # Hooks (the checkpoint hook) restored state in on_enter_restore.
-        self.audit.info("restore", resumed=self.step > 0, from_step=self.step)
+        self.events.info("restore", resumed=self.step > 0, from_step=self.step)
         if self.step >= self.max_steps:  # resumed from a finished run: nothing left to do
             self.exit_reason, self.exit_code = ExitReason.COMPLETED, 0
             return self.finish  # a signal now is recorded in EXIT: the run is complete, no requeue
         resumed = self._data.start()
         if resumed is not None:  # how the position was found and what it cost: a replay grows with it
-            self.audit.info(
-                "data_resumed",
-                mode=resumed.mode,
-                why=resumed.why,
-                epoch=self.epoch,
-                batches=resumed.batches,
-                positioned=resumed.positioned,
-                seconds=round(resumed.seconds, 6),
-            )
+            self.events.info("data_resumed", epoch=self.epoch, **resumed.as_event())
         # Checked last: a signal while the checkpoint loaded or the data was positioned counts.
         return self._preempted_before_training() or self.restored
 
@@ -338,7 +298,7 @@ class BaseTrainer:
         if loss is None:  # on this rank; with loss_none_agreement, on any: then every rank skips it
             self.loss_none_skips += 1  # this rank skipped it, whichever rank returned None
             ranks = loss_none_ranks(run.agreement, self.rank, run.warn_loss_none)
-            self.audit.debug("loss_none", micro=run.micro, ranks=ranks)
+            self.events.debug("loss_none", micro=run.micro, ranks=ranks)
             return self.micro
         run.micro += 1
         run.losses.append(loss)
@@ -350,7 +310,7 @@ class BaseTrainer:
             return self.non_finite
         if not finite:
             scale = self.grad_scaler.get_scale() if self.grad_scaler else None
-            self.audit.warning("non_finite", what="scaler_skip", retry=0, max=0, scale=scale)
+            self.events.warning("non_finite", what="scaler_skip", retry=0, max=0, scale=scale)
         info = self.step_info
         if grad_norm is not None:
             info["grad_norm"] = grad_norm
@@ -395,7 +355,7 @@ class BaseTrainer:
         run.stepper.discard()  # type: ignore[union-attr]
         run.preemption.end_step_agreement()
         self.exit_reason, self.exit_code = ExitReason.COMPLETED, 0
-        self.audit.info("data_exhausted", epochs=self.max_epochs, dropped_micro_batches=run.micro)
+        self.events.info("data_exhausted", epochs=self.max_epochs, dropped_micro_batches=run.micro)
         self.step -= 1  # after the event, which belongs to the step that began; see fsm.STEP_TAKEN_BACK
         return self.exhausted
 
@@ -404,20 +364,9 @@ class BaseTrainer:
         run.stepper.discard()  # type: ignore[union-attr]
         limit = self.max_non_finite_grad_retries
         if run.retries >= limit:
-            if limit == 0:
-                raise RuntimeError(
-                    f"Step {self.step}: gradients are non-finite and retries are disabled "
-                    f"(max_non_finite_grad_retries={limit}); set it to a positive integer to re-run "
-                    f"the step on fresh micro-batches, or enable mixed_precision='fp16' with a grad scaler."
-                )
-            raise RuntimeError(
-                f"Step {self.step}: gradients were non-finite on {run.retries + 1} attempts "
-                f"({run.retries} retries, max_non_finite_grad_retries={limit}); stopping instead of "
-                f"stepping non-finite values into the weights. Lower the learning rate, set grad_clip, "
-                f"or check the data."
-            )
+            raise retries_used_up(self.step, run.retries, limit)
         run.retries += 1
-        self.audit.warning("non_finite", what="gradients", retry=run.retries, max=limit, scale=None)
+        self.events.warning("non_finite", what="gradients", retry=run.retries, max=limit, scale=None)
         run.micro = 0
         run.losses, run.records = [], []  # the retried micro-batches' data times stay: spent in this step
         return self.retry
@@ -434,7 +383,7 @@ class BaseTrainer:
         if self.exit_reason is None or (run.exit_errors and run.failure is None):
             self.exit_reason, self.exit_code = ExitReason.FAILED, 1
         run.preemption.at_exit(self.exit_reason is ExitReason.PREEMPTED)
-        self.audit.info("exit", reason=self.exit_reason, code=self.exit_code)
+        self.events.info("exit", reason=self.exit_reason, code=self.exit_code)
 
     def _guarded(self, callback: Callable[[], Any]) -> None:
         """Run an EXIT callback; a failure is recorded and raised after EXIT's work is done."""
@@ -442,7 +391,7 @@ class BaseTrainer:
         try:
             callback()
         except Exception as exc:
-            run.events.exception(exc)
+            run.event_log.exception(exc)
             run.exit_errors.append(exc)
 
     # ---------------------------------------------------------------- data

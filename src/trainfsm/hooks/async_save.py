@@ -86,7 +86,7 @@ class BackgroundSaves(Generic[Result]):
             self._inflight = None
             return future.result(), self._blocked
         if not self._failure_reported:
-            trainer.audit.error("checkpoint_failed", type=type(error).__name__, message=str(error))
+            trainer.events.error("checkpoint_failed", type=type(error).__name__, message=str(error))
             self._failure_reported = True
         if not wait and self._inflight_sharded:
             return None  # raised where every rank is at once: the next checkpoint or EXIT

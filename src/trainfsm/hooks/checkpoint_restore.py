@@ -28,7 +28,7 @@ def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool, checksum: s
     """The store under ``root``; rank 0 (which writes) removes interrupted saves' leftovers and makes
     the writer's threads and buffers now, not in the first save's step."""
     store = CheckpointStore(root, direct_io=direct_io, checksum=checksum)
-    log = trainer.audit
+    log = trainer.events
     if trainer.rank == 0:
         removed = store.remove_leftovers()
         if removed:
@@ -60,7 +60,7 @@ def restore(
             try:
                 manifest, parts = _verified(trainer, path)
             except CheckpointError as exc:
-                trainer.audit.warning("checkpoint_skipped", path=str(path), reason=str(exc))
+                trainer.events.warning("checkpoint_skipped", path=str(path), reason=str(exc))
                 continue
             _apply(trainer, path, manifest, parts, current, data_resume)
             return path
@@ -116,7 +116,7 @@ def _apply(
     else:
         check_fits(path, current, state["model"])
         trainer.load_state_dict(state, data_resume=data_resume)
-    trainer.audit.info(
+    trainer.events.info(
         "checkpoint_loaded",
         path=str(path),
         from_step=trainer.step,

@@ -219,7 +219,7 @@ def log_saved(trainer: BaseTrainer, saved: Saved, blocked: float | None, world: 
     """The ``checkpoint_saved`` event (``blocked``: seconds the loop waited for an asynchronous save,
     None for one made in the step); ``world``: the world size that wrote a sharded checkpoint
     (``bytes`` counts every rank's files)."""
-    trainer.audit.info(
+    trainer.events.info(
         "checkpoint_saved",
         path=str(saved.path),
         saved_step=int(saved.path.name.removesuffix("_keep")),
@@ -234,7 +234,7 @@ def log_saved(trainer: BaseTrainer, saved: Saved, blocked: float | None, world: 
         **({"world_size": world} if world is not None else {}),
     )
     if saved.pruned:
-        trainer.audit.info("checkpoint_pruned", paths=[str(c.path) for c in saved.pruned])
+        trainer.events.info("checkpoint_pruned", paths=[str(c.path) for c in saved.pruned])
     if trainer.exit_reason == "preempted" and trainer.rank == 0:
         notice(
             trainer.logger,

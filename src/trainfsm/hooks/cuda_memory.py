@@ -48,7 +48,7 @@ class CudaMaxMemoryHook(BaseHook):
                 f"is not set. Train on a CUDA device or leave the hook out."
             )
             warnings.warn(message, CudaMemoryUnavailableWarning, stacklevel=user_stacklevel())
-            trainer.audit.warning("cuda_memory_unavailable", device=str(device))
+            trainer.events.warning("cuda_memory_unavailable", device=str(device))
             return
         self.device = device
         torch.cuda.reset_peak_memory_stats(device)

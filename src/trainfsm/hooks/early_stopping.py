@@ -112,7 +112,7 @@ class EarlyStoppingHook(BaseHook):
     def wants_stop(self, trainer: BaseTrainer) -> bool:
         if self.bad_evaluations < self.patience:
             return False
-        trainer.audit.info(
+        trainer.events.info(
             "early_stop",
             monitor=self.monitor,
             best=self.best,

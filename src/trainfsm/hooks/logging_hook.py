@@ -48,7 +48,7 @@ class LoggingHook(StatsHook):
 
     def on_stats(self, trainer: BaseTrainer, stats: TrainingStats) -> None:
         records = _records(stats)
-        trainer.audit.debug("metrics", values=flat(records))  # host floats already: no sync
+        trainer.events.debug("metrics", values=flat(records))  # host floats already: no sync
         trainer.log(records)
 
 

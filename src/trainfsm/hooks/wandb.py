@@ -112,7 +112,7 @@ class WandbHook(BaseHook):
         self._finished = False
         if id_file is not None and not run.disabled and run.id != stored:
             _write_id(id_file, run.id)
-        trainer.audit.info("wandb_run", wandb_id=run.id, continued=run.id == stored, mode=run.settings.mode)
+        trainer.events.info("wandb_run", wandb_id=run.id, continued=run.id == stored, mode=run.settings.mode)
         return run
 
     def on_after_train(self, trainer: BaseTrainer) -> None:
