@@ -49,7 +49,7 @@ class TraceReport:
 
     def traced(self) -> list[AttemptReport]:
         """The attempts worth a story: failed, interrupted, preempted, killed."""
-        return [a for a in self.events.attempts if a.killed or _reason(a) in _TRACED]
+        return [a for a in self.audit.attempts if a.killed or _reason(a) in _TRACED]
 
 
 def trace(inputs: Iterable[Path], events: int = DEFAULT_EVENTS) -> TraceReport:
