@@ -289,12 +289,10 @@ class Preemption:
         self.job: slurm.SlurmJob | None = None
         self.requeued = False
         self._step_agreement: SignalAgreement | None = None
-        # The signal pending on any rank at the end of a step: this rank's own, the step's signal
-        # all-reduce, or the last micro-batch agreement's. Chosen in ``decide``, read once per step.
-        self._pending: Callable[[], int] = self._local
-
-    def _local(self) -> int:
-        return self.watcher.pending
+        # Where the signal pending on any rank at a step's end comes from, when not from this
+        # rank alone (None): the step's signal all-reduce, or the last micro-batch agreement's.
+        # Chosen in ``decide``; read once per step.
+        self._agreed: Callable[[], int] | None = None
 
     def open_trail(self, log: Any, rank: int, world: int, job: slurm.SlurmJob | None) -> None:
         self.log, self.rank, self.world, self.job = log, rank, world, job
@@ -316,9 +314,9 @@ class Preemption:
                 self.log.warning("signals_not_installed", reason="train() is not running in the main thread")
             if self.world > 1 and agreement is None:
                 self._step_agreement = SignalAgreement()
-                self._pending = self._step_agreement.result
+                self._agreed = self._step_agreement.result
         if agreement is not None:  # the signal rides on its all-reduce, with or without a policy
-            self._pending = lambda: agreement.signal
+            self._agreed = lambda: agreement.signal
         return self.policy
 
     def _decide_held(self) -> None:
@@ -354,7 +352,8 @@ class Preemption:
 
     def at_step_end(self, step: int) -> int | None:
         """After the optimizer step: the exit code if a signal is pending on any rank, else None."""
-        pending = self._pending()
+        agreed = self._agreed
+        pending = agreed() if agreed is not None else self.watcher.pending
         if not pending:
             return None
         code = self._preempted_by(pending)
@@ -364,7 +363,8 @@ class Preemption:
     def end_step_agreement(self) -> None:
         """The step ends without its optimizer step (the data ran out): collect the step's
         all-reduce so no rank leaves one behind. The run is complete; the signal changes nothing."""
-        self._pending()
+        if self._agreed is not None:
+            self._agreed()
 
     def _preempted_by(self, signum: int) -> int:
         self.report()

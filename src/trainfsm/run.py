@@ -59,6 +59,12 @@ class Run:
     exit_errors: list[BaseException] = field(default_factory=list)
     failure: BaseException | None = None
 
+    def new_step(self) -> None:
+        """A step begins: fresh lists (a hook may keep the previous step's until its interval ends)."""
+        self.micro = self.retries = 0
+        self.losses, self.records, self.data_times = [], [], []
+        self.step_start = time.perf_counter()
+
 
 def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, Path | None]:
     """The trail of this attempt, with its ``run_start`` record. Sets the trainer's ``rank``,
@@ -105,13 +111,6 @@ def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, 
         },
     )
     return events, logs
-
-
-def new_step(run: Run) -> None:
-    """A step begins: fresh lists (a hook may keep the previous step's until its interval ends)."""
-    run.micro = run.retries = 0
-    run.losses, run.records, run.data_times = [], [], []
-    run.step_start = time.perf_counter()
 
 
 def exit_status(exc: BaseException) -> tuple[ExitReason, int]:

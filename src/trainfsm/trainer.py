@@ -26,7 +26,7 @@ from trainfsm.data_state import EXHAUSTED, DataCursor
 from trainfsm.hooks.base import BaseHook, bindings, overrides
 from trainfsm.machine import ExitReason
 from trainfsm.preemption import ExitPolicy, Preemption, exit_policy
-from trainfsm.run import Run, exit_status, new_step, open_trail
+from trainfsm.run import Run, exit_status, open_trail
 from trainfsm.step import Stepper, retries_used_up
 from trainfsm.torch_workarounds import (
     import_collectives_before_any_group,
@@ -278,9 +278,9 @@ class BaseTrainer(fsm.Triggers):
     def _begin_step(self) -> None:
         self.step += 1
         self.step_info = {}
-        run = self._run
-        new_step(run)  # type: ignore[arg-type]
-        run.preemption.step_began()  # type: ignore[union-attr]
+        run: Run = self._run  # type: ignore[assignment]
+        run.new_step()
+        run.preemption.step_began()
 
     def _run_step(self) -> Callable[[], bool]:
         return self.micro
