@@ -120,14 +120,14 @@ def test_resume_is_exact_with_dropout_shuffle_adam_and_scheduler(tmp_path: Path)
     assert resumed.lr_scheduler.last_epoch == 13  # type: ignore[union-attr]
 
 
-def test_checkpoints_written_through_the_page_cache_resume_the_same(tmp_path: Path) -> None:
-    direct = params(run(tmp_path / "a", 8))
-    cached = run(tmp_path / "b", 8, direct_io=False)
+def test_checkpoints_written_past_the_page_cache_resume_the_same(tmp_path: Path) -> None:
+    direct = run(tmp_path / "a", 8, direct_io=True)
+    cached = run(tmp_path / "b", 8)  # the default: through the page cache
     assert cached.hook is not None and cached.hook.store is not None and not cached.hook.store.direct_io
     a = CheckpointStore.load(tmp_path / "a" / "checkpoints" / "8")["model"]["model"]
     b = CheckpointStore.load(tmp_path / "b" / "checkpoints" / "8")["model"]["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert all(torch.equal(x, y) for x, y in zip(direct, params(cached), strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(params(direct), params(cached), strict=True))
     supported = _direct_io_works(tmp_path)
     assert [e["direct_io"] for e in events(tmp_path / "a", "checkpoint_saved")] == [supported, supported]
     assert [e["direct_io"] for e in events(tmp_path / "b", "checkpoint_saved")] == [False, False]
@@ -542,7 +542,7 @@ def test_torch_runs_ahead_of_the_disk_by_all_but_one_staging_buffer(
     monkeypatch.setattr(os, "pwrite", stalled)
     data = os.urandom((BUFFERS + 1) * BUFFER_BYTES)
     with ThreadPoolExecutor(1) as io:
-        writer = DurableWriter(tmp_path / "f", io, Staging(), direct=True)
+        writer = DurableWriter(tmp_path / "f", io, Staging(), direct=False)
         try:
             ahead = threading.Thread(target=writer.write, args=(data[: (BUFFERS - 1) * BUFFER_BYTES],))
             ahead.start()
@@ -606,6 +606,61 @@ def test_without_direct_io_files_go_through_the_page_cache(tmp_path: Path) -> No
     entry, direct = write_file(tmp_path / "f", [data], direct=False)
     assert not direct and (tmp_path / "f").read_bytes() == data
     assert entry["digest"] == file_sum(data)
+
+
+def test_each_buffers_writeback_starts_when_it_is_written_not_at_the_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Through the page cache the disk would otherwise idle until the fsync (issue 14: 1 GB took
+    # 3.0 s written then fsynced, 1.6 s with each 4 MiB's writeback started at once).
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise on this platform")
+    calls: list[tuple[Any, ...]] = []
+    pwrite, fadvise, fsync = os.pwrite, os.posix_fadvise, os.fsync
+
+    def write(fd: int, data: Any, offset: int) -> int:
+        calls.append(("write", offset))
+        return pwrite(fd, data, offset)
+
+    def advise(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append(("writeback", offset, length, advice))
+        fadvise(fd, offset, length, advice)
+
+    def sync(fd: int) -> None:
+        calls.append(("fsync",))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "pwrite", write)
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    monkeypatch.setattr(os, "fsync", sync)
+    data = os.urandom(2 * BUFFER_BYTES + 7)
+    write_file(tmp_path / "f", [data], direct=False)
+    dontneed = os.POSIX_FADV_DONTNEED
+    assert calls == [
+        ("write", 0),
+        ("writeback", 0, BUFFER_BYTES, dontneed),
+        ("write", BUFFER_BYTES),
+        ("writeback", BUFFER_BYTES, BUFFER_BYTES, dontneed),
+        ("write", 2 * BUFFER_BYTES),
+        ("writeback", 2 * BUFFER_BYTES, 7, dontneed),
+        ("fsync",),
+        ("writeback", 0, 0, dontneed),  # clean now: the checkpoint leaves the page cache to the data
+    ]
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_a_file_system_that_refuses_the_writeback_hint_still_gets_a_durable_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    def refuse(fd: int, offset: int, length: int, advice: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    data = os.urandom(BUFFER_BYTES + 11)
+    entry, _ = write_file(tmp_path / "f", [data], direct=False)
+    assert (tmp_path / "f").read_bytes() == data and entry == {"bytes": len(data), "digest": file_sum(data)}
 
 
 def test_a_disk_full_in_the_background_write_loses_no_earlier_checkpoint(

@@ -93,12 +93,13 @@ class Checkpoint:
 class CheckpointStore:
     """Save, list, verify, load and prune the checkpoints under ``root``.
 
-    ``direct_io=False`` writes through the page cache even where ``O_DIRECT`` works (see
-    ``checkpoint_io.DurableWriter``); a store holds ``BUFFERS`` x ``BUFFER_BYTES`` of staging memory
-    from its first save until ``close``.
+    Files go through the page cache with each 4 MiB's writeback started at once; ``direct_io=True``
+    writes them with ``O_DIRECT`` where the file system allows it (see ``checkpoint_io.DurableWriter``
+    for when each is faster). A store holds ``BUFFERS`` x ``BUFFER_BYTES`` of staging memory from
+    its first save until ``close``.
     """
 
-    def __init__(self, root: Path, *, direct_io: bool = True, checksum: str = "xxh3_128") -> None:
+    def __init__(self, root: Path, *, direct_io: bool = False, checksum: str = "xxh3_128") -> None:
         if not isinstance(direct_io, bool):
             raise TypeError(f"CheckpointStore direct_io must be True or False; got {direct_io!r}.")
         self.root = root
@@ -108,7 +109,7 @@ class CheckpointStore:
         self._staging: Staging | None = None
         self._saving = threading.Lock()  # one save at a time: they share the staging buffers
         #: Whether every file of the last save was written past the page cache (O_DIRECT); False
-        #: when ``direct_io=False`` or the file system refused it (the ``checkpoint_saved`` event
+        #: unless ``direct_io=True`` and the file system allowed it (the ``checkpoint_saved`` event
         #: says which). The shards of a sharded save are written by DCP, through the page cache.
         self.wrote_directly = False
         # Pointers to move with a later save (point_when_saved): pointer -> first step it may name.

@@ -4,8 +4,8 @@
 this module says *how* bytes get there fast and how they are checked on the way back:
 
 - ``write_durable`` / ``fsync_dir``: the two fsyncs the protocol is made of;
-- ``DurableWriter`` + ``serialize``: ``torch.save`` into page-aligned staging buffers that are
-  written with ``O_DIRECT`` in the background while torch fills the next one, hashed on the way;
+- ``DurableWriter`` + ``serialize``: ``torch.save`` into staging buffers that are written in the
+  background while torch fills the next one, each one's writeback started at once, hashed on the way;
 - ``file_sums`` / ``describe_file``: the checksums of files on disk (verification, and files other
   writers made, such as DCP's shards).
 
@@ -41,6 +41,9 @@ BUFFER_BYTES: Final = 4 << 20
 BUFFERS: Final = 6
 IO_THREADS: Final = 1
 ALIGN: Final = 4096  # O_DIRECT: buffer addresses, file offsets and lengths are multiples of this
+# Starting a buffer's writeback as soon as it is written: posix_fadvise(DONTNEED) on Linux starts the
+# write-out of that range's dirty pages without waiting for it (and drops pages already clean).
+_WRITEBACK: Final = getattr(os, "POSIX_FADV_DONTNEED", None) if hasattr(os, "posix_fadvise") else None
 READ_BYTES: Final = 4 << 20  # what verification reads at a time
 
 
@@ -144,23 +147,26 @@ class DurableWriter:
     which is written in the background while torch fills the next.
 
     Why not let torch write into the page cache and fsync at the end, as ``torch.save`` + fsync
-    does? That copies into freshly allocated page-cache pages, then starts the writeback only when
-    asked, so the disk idles while torch serializes and torch idles while the disk writes. Here:
+    does? Then the kernel starts the writeback only when asked, so the disk idles while torch
+    serializes and torch idles while the disk writes. Here:
 
-    - the file is opened with ``O_DIRECT`` where the file system allows it, so the disk reads each
-      full buffer straight from our (page-aligned, reused) memory, written one after the other by
-      the store's I/O thread, and is busy from the first 4 MiB on; a checkpoint also never pushes
-      the training data out of the page cache. Where ``O_DIRECT`` is refused (at ``open`` or at a
-      write), the same buffers are written through the page cache instead, and ``finish`` fsyncs
-      them;
+    - each full buffer is written by the store's I/O thread, one after the other, and its
+      writeback is started right away (``posix_fadvise(DONTNEED)`` on the range), so the disk is
+      busy from the first 4 MiB on and the final fsync waits only for the last buffers. After the
+      fsync the file's pages, clean by then, are dropped: a checkpoint does not push the training
+      data out of the page cache. Measured on this machine's disk (ext4 on a virtio disk, issue 14's
+      closing note): 1 GB in 1.6 s this way, 3.2 s with ``O_DIRECT``, 3.0 s written then fsynced;
+    - ``direct=True`` opens the file with ``O_DIRECT`` instead, where the file system allows it
+      (the disk reads each buffer straight from our page-aligned memory): for storage where that is
+      the faster way; the last buffer is padded to ``ALIGN`` bytes and the file cut back to its
+      size. Where ``O_DIRECT`` is refused (at ``open`` or at a write) the writer goes on through
+      the page cache;
     - each buffer is hashed, in file order, just before its write is queued: one streaming sum per
       file;
     - ``write`` copies the bytes before it returns, so torch may free or reuse what it passed
       (device tensors reach it through temporary host buffers);
     - a buffer is reused only when its write is done; a write's error surfaces at the next use of
       that buffer or in ``finish``, never later.
-
-    The last buffer is padded to ``ALIGN`` bytes for ``O_DIRECT`` and the file cut back to its size.
     """
 
     def __init__(
@@ -168,6 +174,7 @@ class DurableWriter:
     ) -> None:
         self._path = path
         self._fd, self._direct = open_for_writing(path, direct)
+        self._writeback = _WRITEBACK
         self._io = io
         self._buffers = staging.views
         self._writes: list[Future[None] | None] = [None] * len(self._buffers)  # each buffer's write in flight
@@ -215,6 +222,7 @@ class DurableWriter:
 
     def _write_at(self, view: memoryview, offset: int) -> None:
         """On the I/O thread, one buffer after the other: no other thread touches the descriptor."""
+        start, length = offset, view.nbytes
         while view.nbytes:
             try:
                 written = os.pwrite(self._fd, view, offset)
@@ -225,6 +233,17 @@ class DurableWriter:
                 continue
             view = view[written:]
             offset += written
+        if not self._direct:
+            self._start_writeback(start, length)
+
+    def _start_writeback(self, offset: int, length: int) -> None:
+        """Ask the kernel to write ``length`` bytes at ``offset`` out now; a hint, so where the
+        call is missing or refused (some FUSE and network file systems) the fsync does it all."""
+        if self._writeback is not None:
+            try:
+                os.posix_fadvise(self._fd, offset, length, self._writeback)
+            except OSError:
+                self._writeback = None
 
     def _through_page_cache(self) -> None:
         """``O_DIRECT`` was refused at a write: go on without it (what was written stays)."""
@@ -249,6 +268,8 @@ class DurableWriter:
         if self._padded:
             os.ftruncate(self._fd, self.bytes)
         os.fsync(self._fd)
+        if not self._direct:
+            self._start_writeback(0, 0)  # all clean now: this drops the file's pages from the cache
         os.close(self._fd)
         return {"bytes": self.bytes, "digest": str(self._hash.hexdigest())}
 

@@ -59,9 +59,10 @@ class CheckpointingHook(BaseHook):
     it guards against torn writes, bit rot and truncation, which is what a checksum stored beside the
     data can do) or ``"sha256"``. Loading verifies with whichever one a checkpoint's manifest names.
 
-    ``direct_io`` (default True) writes checkpoint files past the page cache (``O_DIRECT``) where the
-    file system allows it, and through it elsewhere; ``False`` always goes through the page cache,
-    for a file system where that is faster (see ``CheckpointStore``).
+    ``direct_io`` (default False): checkpoint files go through the page cache, each 4 MiB's writeback
+    started as soon as it is written, and their pages are dropped after the fsync; ``True`` writes
+    them past the page cache (``O_DIRECT``) where the file system allows it, for storage where that
+    is faster (``benchmarks/checkpoint.py`` measures both; see ``checkpoint_io.DurableWriter``).
 
     Other hooks keep pointers beside ``latest`` (``EarlyStoppingHook``: ``best``) through
     ``point_when_saved`` and ``point_to_loaded``; pruning never deletes a pointer's target.
@@ -83,7 +84,7 @@ class CheckpointingHook(BaseHook):
         requeue: bool | Literal["auto"] = "auto",
         max_requeues: int | None = None,
         sharded: bool | Literal["auto"] = "auto",
-        direct_io: bool = True,
+        direct_io: bool = False,
         checksum: Literal["xxh3_128", "sha256"] = "xxh3_128",
     ) -> None:
         self.interval = int_at_least("CheckpointingHook interval", interval, 1)
