@@ -45,7 +45,7 @@ def test_on_cpu_the_per_step_method_does_nothing(tmp_path: Path) -> None:
         TinyTrainer(max_steps=1, workspace=tmp_path, hooks=[hook]).train()
     assert hook.device is None
     trainer = TinyTrainer(max_steps=1)
-    hook.on_after_step(trainer)  # no CUDA call: would raise without CUDA
+    hook.on_step_info(trainer, trainer.step_info)  # no CUDA call: would raise without CUDA
     assert trainer.step_info == {}
 
 

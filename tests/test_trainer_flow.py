@@ -583,6 +583,61 @@ def test_step_info_has_grad_norm_when_clipping(make_trainer):
     assert trainer.step_info["grad_norm"] is norms[1]
 
 
+def test_step_info_is_typed_and_still_trainloops_dict(make_trainer):
+    import json
+
+    from trainfsm.step_info import StepInfo
+
+    trainer = make_trainer(max_steps=2, grad_clip=1e6, gradient_accumulation_steps=2)
+    trainer.train()
+    info = trainer.step_info
+    assert isinstance(info, StepInfo) and isinstance(info, dict)
+    assert info.loss is info["loss"] and len(info.loss) == 2
+    assert info.records is info["records"] and info.data_time is info["data_time"]
+    assert info.step_time == info["step_time"] > 0.0
+    assert info.non_finite_grad_retries == info["non_finite_grad_retry_count"] == 0
+    assert info.grad_norm is info["grad_norm"]
+    assert info.max_memory is None and "max_memory" not in info  # no hook put it there
+    plain = {k: v for k, v in info.items() if k not in ("loss", "grad_norm", "records")}
+    assert json.loads(json.dumps(plain)) == plain  # what a logger does with it
+
+
+def test_step_info_written_by_a_later_hook_is_there_for_an_earlier_ones_on_after_step(make_trainer):
+    seen: list[Any] = []
+
+    class Reader(BaseHook):
+        def on_after_step(self, trainer: BaseTrainer) -> None:
+            seen.append(trainer.step_info.get("tokens"))
+
+    class Writer(BaseHook):
+        def on_step_info(self, trainer: BaseTrainer, info: Any) -> None:
+            info["tokens"] = 32 * trainer.step
+
+    make_trainer(max_steps=3, hooks=[Reader(), Writer()]).train()  # the reader listed first
+    assert seen == [32, 64, 96]
+
+
+def test_on_step_info_runs_after_the_evaluations_and_before_the_questions(make_trainer):
+    calls: list[str] = []
+
+    class Both(BaseHook):
+        def on_evaluate(self, trainer: BaseTrainer) -> None:
+            calls.append("evaluate")
+
+        def on_step_info(self, trainer: BaseTrainer, info: Any) -> None:
+            calls.append("step_info")
+
+        def wants_stop(self, trainer: BaseTrainer) -> bool:
+            calls.append("wants_stop")
+            return False
+
+        def on_after_step(self, trainer: BaseTrainer) -> None:
+            calls.append("after_step")
+
+    make_trainer(max_steps=1, hooks=[Both()]).train()
+    assert calls == ["evaluate", "step_info", "wants_stop", "after_step"]
+
+
 # ---------------------------------------------------------------- data
 class EpochLoader:
     """A re-iterable with set_epoch that records the epochs it was told."""

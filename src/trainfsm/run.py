@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from trainfsm.collectives import LossNoneAgreement
     from trainfsm.step import Stepper
+    from trainfsm.step_info import StepInfo
     from trainfsm.trainer import BaseTrainer
 
 
@@ -46,6 +47,7 @@ class Run:
     warn_loss_none: bool = False  # the model is a DDP/FSDP wrapper
     before_optimizer_step: list[Callable[[], None]] = field(default_factory=list)
     evaluators: list[Callable[[], None]] = field(default_factory=list)
+    step_info_writers: list[Callable[[StepInfo], None]] = field(default_factory=list)
     checkpoint_askers: list[Callable[[], bool]] = field(default_factory=list)
     stop_askers: list[Callable[[], bool]] = field(default_factory=list)
     # The step in flight (reset as it begins; a retry resets micro, losses and records).

@@ -28,6 +28,7 @@ from trainfsm.machine import ExitReason
 from trainfsm.preemption import ExitPolicy, Preemption, exit_policy
 from trainfsm.run import Run, exit_status, open_trail
 from trainfsm.step import Stepper, retries_used_up
+from trainfsm.step_info import StepInfo
 from trainfsm.torch_workarounds import (
     import_collectives_before_any_group,
     load_model_and_optimizer,
@@ -94,7 +95,7 @@ class BaseTrainer(fsm.Triggers):
         # The trainer's own resumable state: the completed step count and the data position.
         self.step = 0
         self._data = DataCursor()  # ``epoch`` is the cursor's
-        self.step_info: dict[str, Any] = {}
+        self.step_info = StepInfo()
         self.exit_reason: ExitReason | None = None
         self.exit_code: int | None = None
         self.data_loader: Iterable[Any] | None = None
@@ -252,6 +253,7 @@ class BaseTrainer(fsm.Triggers):
             partial(h.on_before_optimizer_step, self) for h in hooks if overrides(h, "on_before_optimizer_step")
         ]
         run.evaluators = [partial(h.on_evaluate, self) for h in hooks if overrides(h, "on_evaluate")]
+        run.step_info_writers = [partial(h.on_step_info, self) for h in hooks if overrides(h, "on_step_info")]
         run.checkpoint_askers = [partial(h.wants_checkpoint, self) for h in hooks if overrides(h, "wants_checkpoint")]
         run.stop_askers = [partial(h.wants_stop, self) for h in hooks if overrides(h, "wants_stop")]
         for hook in hooks:
@@ -277,7 +279,7 @@ class BaseTrainer(fsm.Triggers):
 
     def _begin_step(self) -> None:
         self.step += 1
-        self.step_info = {}
+        self.step_info = StepInfo()
         run: Run = self._run  # type: ignore[assignment]
         run.new_step()
         run.preemption.step_began()
@@ -328,6 +330,8 @@ class BaseTrainer(fsm.Triggers):
         # them is read after and honoured at this step (with one rank).
         for evaluate in run.evaluators:
             evaluate()
+        for write in run.step_info_writers:  # before any on_after_step reads the step's figures
+            write(info)
         stop = any(ask() for ask in run.stop_askers) if run.stop_askers else False
         code = run.preemption.at_step_end(self.step)
         if code is not None:

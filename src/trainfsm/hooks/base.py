@@ -15,6 +15,7 @@ from trainfsm import machine as fsm
 
 if TYPE_CHECKING:
     from trainfsm.preemption import ExitPolicy
+    from trainfsm.step_info import StepInfo
     from trainfsm.trainer import BaseTrainer
 
 
@@ -39,8 +40,14 @@ class BaseHook:
     def on_before_optimizer_step(self, trainer: BaseTrainer) -> None:
         """After unscale and clip, right before ``optimizer.step()``."""
 
+    def on_step_info(self, trainer: BaseTrainer, info: StepInfo) -> None:
+        """Add this hook's figures of the step to ``info`` (``trainer.step_info``), such as
+        ``CudaMaxMemoryHook``'s ``max_memory``. Every hook's ``on_step_info`` runs after the
+        step's evaluations and before any hook's ``on_after_step``, so the hooks that read the
+        figures need not be listed after the ones that write them."""
+
     def on_after_step(self, trainer: BaseTrainer) -> None:
-        """After the optimizer step; ``trainer.step_info`` holds the step's stats."""
+        """After the optimizer step; ``trainer.step_info`` holds the step's figures."""
 
     def on_log(self, trainer: BaseTrainer, records: dict[str, Any], dry_run: bool = False) -> None:
         """``trainer.log(records)`` was called. By default this calls ``on_log_scalars``, the other

@@ -1,9 +1,10 @@
 """``CudaMaxMemoryHook``: the peak CUDA memory of each step, in ``trainer.step_info["max_memory"]``.
 
 Why a hook: the peak is what tells how close a run is to running out of memory, and other hooks
-(``ProgressHook``, ``LoggingHook``) report whatever ``step_info`` holds; list this hook before them.
+(``ProgressHook``, ``LoggingHook``) report whatever ``step_info`` holds. It writes in
+``on_step_info``, which runs before every hook's ``on_after_step``, so it may be listed anywhere.
 
-Per step (``on_after_step``) it reads ``torch.cuda.max_memory_allocated`` (allocator bookkeeping on
+Per step it reads ``torch.cuda.max_memory_allocated`` (allocator bookkeeping on
 the host: no device sync) and resets the peak, so each value is the peak since the previous step's
 end: the step itself and whatever ran between the two (a checkpoint, an evaluation at the step's
 decision point). The peak is reset once before the first step.
@@ -24,6 +25,7 @@ from trainfsm.hooks.base import BaseHook
 from trainfsm.utils import user_stacklevel
 
 if TYPE_CHECKING:
+    from trainfsm.step_info import StepInfo
     from trainfsm.trainer import BaseTrainer
 
 GIB = float(2**30)
@@ -53,14 +55,12 @@ class CudaMaxMemoryHook(BaseHook):
         self.device = device
         torch.cuda.reset_peak_memory_stats(device)
 
-    def on_after_step(self, trainer: BaseTrainer) -> None:
+    def on_step_info(self, trainer: BaseTrainer, info: StepInfo) -> None:
         device = self.device
         if device is None:
             return
         # trainloop 0.5's key, and 0.11's for those reading step_info with it
-        trainer.step_info["max_memory"] = trainer.step_info["cuda_max_memory"] = (
-            torch.cuda.max_memory_allocated(device) / GIB
-        )
+        info["max_memory"] = info["cuda_max_memory"] = torch.cuda.max_memory_allocated(device) / GIB
         torch.cuda.reset_peak_memory_stats(device)
 
 

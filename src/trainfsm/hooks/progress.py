@@ -7,7 +7,7 @@
 Fields, each averaged over the interval (see ``trainfsm.hooks.stats``): ``step`` and ``data``
 seconds per step; ``eta`` as ``H:MM:SS`` (hours may exceed 24), or ``eta -`` until it is known;
 ``mem`` (the interval's peak GiB, only when a hook such as ``CudaMaxMemoryHook`` put
-``step_info["max_memory"]`` there first); ``loss``; ``grad_norm`` (only with ``grad_clip``, which
+``step_info["max_memory"]`` there, wherever it is listed); ``loss``; ``grad_norm`` (only with ``grad_clip``, which
 computes it); then per param group each of its ``param_group_keys`` but ``name`` (default: the
 rate), as ``<key>_<group>`` where the group is its ``"name"`` or its index: ``lr_0 1.00e-03``,
 ``lr_head 1.00e-04``, with ``param_group_keys=("lr", "momentum")`` also ``momentum_0 9.00e-01``;

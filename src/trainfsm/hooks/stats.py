@@ -18,7 +18,8 @@ into floats with one device-to-host copy, and with ``sync=True`` on more than on
   drawing its micro-batches (their sum);
 - ``non_finite_grad_retries``: retries per step;
 - ``cuda_max_memory``: the interval's peak GiB (the largest step value), when a hook such as
-  ``CudaMaxMemoryHook`` put ``step_info["max_memory"]`` there before this hook's ``on_after_step``;
+  ``CudaMaxMemoryHook`` put ``step_info["max_memory"]`` there (in ``on_step_info``, before any
+  hook's ``on_after_step``);
 - ``records``: the user's records, nested as returned, ``key_average`` over steps of each step's
   ``key_average`` over micro-batches;
 - ``param_groups``: one dict per optimizer param group with the ``param_group_keys`` it has
