@@ -14,13 +14,17 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainfsm import collectives, slurm
+from trainfsm import machine as fsm
+from trainfsm.collectives import failed_collective
 from trainfsm.events import FLUSH_SECONDS, EventLog
+from trainfsm.hooks.base import BaseHook, bindings, overrides
 from trainfsm.machine import ExitReason
 from trainfsm.preemption import Preemption
 from trainfsm.schema import FORMAT_VERSION, new_run_id
@@ -66,6 +70,52 @@ class Run:
         self.micro = self.retries = 0
         self.losses, self.records, self.data_times = [], [], []
         self.step_start = time.perf_counter()
+
+    def bind_hooks(self, trainer: BaseTrainer, hooks: list[BaseHook], finish_exit: Callable[[], None]) -> None:
+        """Bind each hook's overridden methods, in list order, after the trainer's own bookkeeping
+        (bound before BUILD); collect the ones the trainer calls itself at a step's end."""
+        m = self.machine
+        self.before_optimizer_step = [
+            partial(h.on_before_optimizer_step, trainer) for h in hooks if overrides(h, "on_before_optimizer_step")
+        ]
+        self.evaluators = [partial(h.on_evaluate, trainer) for h in hooks if overrides(h, "on_evaluate")]
+        self.step_info_writers = [partial(h.on_step_info, trainer) for h in hooks if overrides(h, "on_step_info")]
+        self.checkpoint_askers = [
+            partial(h.wants_checkpoint, trainer) for h in hooks if overrides(h, "wants_checkpoint")
+        ]
+        self.stop_askers = [partial(h.wants_stop, trainer) for h in hooks if overrides(h, "wants_stop")]
+        for hook in hooks:
+            for kind, target, method in bindings(hook):
+                callback = partial(method, trainer)
+                if target == fsm.EXIT:  # EXIT always completes: hook failures are recorded, then raised
+                    fsm.bind(m, kind, target, partial(self.guarded, callback), before=finish_exit)
+                else:
+                    fsm.bind(m, kind, target, callback)
+        m.compile_events(trainer, self.event_log.transition_recorder)
+
+    def guarded(self, callback: Callable[[], Any]) -> None:
+        """Run an EXIT callback; a failure is recorded and raised after EXIT's work is done."""
+        try:
+            callback()
+        except Exception as exc:
+            self.event_log.exception(exc)
+            self.exit_errors.append(exc)
+
+    def record_failure(self, trainer: BaseTrainer, exc: BaseException) -> None:
+        """``exc`` is leaving ``train()``: record it, and take the machine to EXIT by ``fail``
+        (unless it came from EXIT itself), with the exit status the process will end with."""
+        failed = failed_collective(exc, trainer.rank, trainer.world_size, trainer.step, trainer.state, self.logs)
+        if failed is not None:  # most likely another rank's failure: the note says where to look
+            trainer.events.error("collective_failed", **failed)
+        self.event_log.exception(exc)
+        if trainer.state == fsm.EXIT:
+            return
+        trainer.exit_reason, trainer.exit_code = exit_status(exc)
+        self.failure = exc
+        try:
+            trainer.fail()
+        except BaseException as inner:  # EXIT's own work failed: record it, keep the original error
+            self.event_log.exception(inner)
 
 
 def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, Path | None]:

@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from trainfsm import collectives
 from trainfsm.collectives import LossNoneAgreement
+
+if TYPE_CHECKING:
+    from trainfsm.trainer import BaseTrainer
 
 MIXED_PRECISION_DTYPES: dict[str | None, torch.dtype | None] = {
     None: None,
@@ -100,6 +103,26 @@ class FiniteCheck:
 
 class Stepper:
     """The tensor work of a step, configured once from the trainer's built components."""
+
+    @classmethod
+    def for_trainer(cls, trainer: BaseTrainer, agreement: LossNoneAgreement | None) -> Stepper:
+        """The stepper of a built trainer: its components and settings. Accumulation skips the
+        gradient all-reduce on all but the last micro-batch (``no_sync``) when the model offers
+        it and ``no_sync_accumulate`` allows it."""
+        model, accumulation = trainer.model, trainer.gradient_accumulation_steps
+        no_sync = getattr(model, "no_sync", None) if trainer.no_sync_accumulate and accumulation > 1 else None
+        return cls(
+            model=model,  # type: ignore[arg-type]
+            optimizer=trainer.optimizer,  # type: ignore[arg-type]
+            scheduler=trainer.lr_scheduler,
+            scaler=trainer.grad_scaler,  # type: ignore[arg-type]
+            device=trainer.device,
+            mixed_precision=trainer.mixed_precision,
+            accumulation=accumulation,
+            grad_clip=trainer.grad_clip,
+            no_sync=no_sync,
+            agreement=agreement,
+        )
 
     def __init__(
         self,

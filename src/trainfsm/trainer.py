@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,18 +19,17 @@ from torch import nn
 
 from trainfsm import arguments as check
 from trainfsm import machine as fsm
-from trainfsm import rng
-from trainfsm.collectives import LossNoneAgreement, LossNoneWarning, failed_collective, loss_none_ranks
+from trainfsm import trainer_state
+from trainfsm.collectives import LossNoneAgreement, LossNoneWarning, loss_none_ranks
 from trainfsm.data_state import EXHAUSTED, DataCursor
-from trainfsm.hooks.base import BaseHook, bindings, overrides
+from trainfsm.hooks.base import BaseHook
 from trainfsm.machine import ExitReason
 from trainfsm.preemption import ExitPolicy, Preemption, exit_policy
-from trainfsm.run import Run, exit_status, open_trail
+from trainfsm.run import Run, open_trail
 from trainfsm.step import Stepper, retries_used_up
 from trainfsm.step_info import StepInfo
 from trainfsm.torch_workarounds import (
     import_collectives_before_any_group,
-    load_model_and_optimizer,
     warn_if_group_kept_alive,
 )
 from trainfsm.utils import is_distributed_wrapper, unwrap
@@ -184,7 +182,7 @@ class BaseTrainer(fsm.Triggers):
                 trigger()
                 trigger = runs[self.state]()
         except BaseException as exc:
-            self._fail(exc)
+            run.record_failure(self, exc)
             raise
         finally:
             event_log.close()
@@ -193,22 +191,6 @@ class BaseTrainer(fsm.Triggers):
             raise SystemExit(self.exit_code)
         if run.exit_errors:  # EXIT's work failed after training completed: recorded, now raised
             raise run.exit_errors[0]
-
-    def _fail(self, exc: BaseException) -> None:
-        run = self._run
-        assert run is not None
-        failed = failed_collective(exc, self.rank, self.world_size, self.step, self.state, run.logs)
-        if failed is not None:  # most likely another rank's failure: the note says where to look
-            self.events.error("collective_failed", **failed)
-        run.event_log.exception(exc)
-        if self.state == fsm.EXIT:
-            return
-        self.exit_reason, self.exit_code = exit_status(exc)
-        run.failure = exc
-        try:
-            self.fail()
-        except BaseException as inner:  # EXIT's own work failed: record it, keep the original error
-            run.event_log.exception(inner)
 
     # ---------------------------------------------------------------- states
     def _run_build(self) -> Callable[[], bool]:
@@ -226,44 +208,11 @@ class BaseTrainer(fsm.Triggers):
         for hook in self.hooks:
             check.built("build_hooks", hook, BaseHook)
         self._data.attach(self.data_loader, self.max_epochs, self.events)
-        model = self.model
-        run.warn_loss_none = is_distributed_wrapper(model)
-        no_sync = getattr(model, "no_sync", None)
-        run.stepper = Stepper(
-            model=model,
-            optimizer=self.optimizer,
-            scheduler=self.lr_scheduler,
-            scaler=self.grad_scaler,
-            device=self.device,
-            mixed_precision=self.mixed_precision,
-            accumulation=self.gradient_accumulation_steps,
-            grad_clip=self.grad_clip,
-            no_sync=no_sync if self.no_sync_accumulate and self.gradient_accumulation_steps > 1 else None,
-            agreement=run.agreement,
-        )
+        run.warn_loss_none = is_distributed_wrapper(self.model)
+        run.stepper = Stepper.for_trainer(self, run.agreement)
         self.exit_policy = run.preemption.decide(self.hooks, run.agreement)
-        self._bind_callbacks(run)
+        run.bind_hooks(self, self.hooks, self._finish_exit)
         return self._preempted_before_training() or self.built
-
-    def _bind_callbacks(self, run: Run) -> None:
-        """Bind the trainer's bookkeeping first, then each hook's overridden methods, in list order."""
-        m = run.machine
-        hooks = self.hooks
-        run.before_optimizer_step = [
-            partial(h.on_before_optimizer_step, self) for h in hooks if overrides(h, "on_before_optimizer_step")
-        ]
-        run.evaluators = [partial(h.on_evaluate, self) for h in hooks if overrides(h, "on_evaluate")]
-        run.step_info_writers = [partial(h.on_step_info, self) for h in hooks if overrides(h, "on_step_info")]
-        run.checkpoint_askers = [partial(h.wants_checkpoint, self) for h in hooks if overrides(h, "wants_checkpoint")]
-        run.stop_askers = [partial(h.wants_stop, self) for h in hooks if overrides(h, "wants_stop")]
-        for hook in hooks:
-            for kind, target, method in bindings(hook):
-                callback = partial(method, self)
-                if target == fsm.EXIT:  # EXIT always completes: hook failures are recorded, then raised
-                    fsm.bind(m, kind, target, partial(self._guarded, callback), before=self._finish_exit)
-                else:
-                    fsm.bind(m, kind, target, callback)
-        m.compile_events(self, run.event_log.transition_recorder)
 
     def _run_restore(self) -> Callable[[], bool]:
         # Hooks (the checkpoint hook) restored state in on_enter_restore.
@@ -381,22 +330,14 @@ class BaseTrainer(fsm.Triggers):
 
     def _finish_exit(self) -> None:
         run: Run = self._run  # type: ignore[assignment]
-        self._guarded(self._data.close)
+        run.guarded(self._data.close)
         # A failure in EXIT's own work is raised at the end (status 1), unless an exception is
-        # already on its way out of train(): that one decides the status, and _fail recorded it.
+        # already on its way out of train(): that one decides the status, and run.record_failure
+        # recorded it.
         if self.exit_reason is None or (run.exit_errors and run.failure is None):
             self.exit_reason, self.exit_code = ExitReason.FAILED, 1
         run.preemption.at_exit(self.exit_reason is ExitReason.PREEMPTED)
         self.events.info("exit", reason=self.exit_reason, code=self.exit_code)
-
-    def _guarded(self, callback: Callable[[], Any]) -> None:
-        """Run an EXIT callback; a failure is recorded and raised after EXIT's work is done."""
-        run: Run = self._run  # type: ignore[assignment]
-        try:
-            callback()
-        except Exception as exc:
-            run.event_log.exception(exc)
-            run.exit_errors.append(exc)
 
     # ---------------------------------------------------------------- data
     @property
@@ -414,28 +355,9 @@ class BaseTrainer(fsm.Triggers):
         ``on_state_dict``. The trainer's own: ``step``, ``epoch``, and ``rank_state``, this rank's
         random streams, data position and loss=None skip count (a checkpoint keeps every rank's).
         ``options``: torch's ``StateDictOptions`` for this call, else ``state_dict_options``."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         model, optimizer = self._built_model_and_optimizer("state_dict")
         options = options if options is not None else self.state_dict_options
-        model_state, optim_state = get_state_dict(model, optimizer, options=options)
-        state: dict[str, Any] = {
-            "model": model_state,
-            "optimizer": optim_state,
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "step": self.step,
-            "epoch": self.epoch,
-        }
-        for hook in self.hooks:
-            hook.on_state_dict(self, state)
-        # Last: the random streams as they stand once everything above ran.
-        state["rank_state"] = {
-            "rng": rng.capture(),
-            "data": self._data.state(),
-            "loss_none_skips": self.loss_none_skips,
-        }
-        return state
+        return trainer_state.capture(self, model, optimizer, options, self._data)
 
     def load_state_dict(self, state: dict[str, Any], options: Any = None, data_resume: str = "auto") -> None:
         """The inverse of ``state_dict``. A ``rank_state`` entry (this rank's, or rank 0's on
@@ -443,23 +365,7 @@ class BaseTrainer(fsm.Triggers):
         iterator as ``data_resume`` says (``trainfsm.data_state``; "none": a fresh iterator)."""
         model, optimizer = self._built_model_and_optimizer("load_state_dict")
         options = options if options is not None else self.state_dict_options
-        # The scheduler before the optimizer: a scheduler's load may write its view of the
-        # learning rates into the param groups, and the optimizer's saved groups (lr,
-        # initial_lr) must be the last word, or a resumed run trains at the wrong rate.
-        if self.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        load_model_and_optimizer(model, optimizer, state["model"], state["optimizer"], options)
-        if self.grad_scaler is not None and state.get("grad_scaler"):
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
-        self.step = int(state["step"])
-        self.epoch = int(state.get("epoch", 0))
-        for hook in self.hooks:
-            hook.on_load_state_dict(self, state)
-        mine = state.get("rank_state")
-        if mine is not None and data_resume == "none":
-            rng.restore(mine["rng"])
-        elif mine is not None:
-            self._data.resume_later(data_resume, mine["data"], mine["rng"])
+        trainer_state.restore(self, model, optimizer, options, self._data, state, data_resume)
 
     def _built_model_and_optimizer(self, method: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         if self.model is None or self.optimizer is None:

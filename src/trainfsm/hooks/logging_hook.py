@@ -14,10 +14,11 @@ The records passed to ``trainer.log`` at ``trainer.step`` are ``trainloop``'s (0
 
 ``grad_norm`` is there when ``grad_clip`` is set (clipping computes it), ``max_memory`` (GiB, the
 interval's peak) when a hook such as ``CudaMaxMemoryHook`` put it in ``step_info`` (in
-``on_step_info``, which runs before this hook's ``on_after_step``). ``lr`` has one entry per param group, named by the group's ``"name"`` or
-``group_<i>``: the rate the interval's last step used (read before the scheduler stepped). So
-wandb's and TensorBoard's keys are ``train/loss``, ``train/lr/group_0``, ``train/<record>``. A
-record named like one of the stats is replaced by it, as in trainloop.
+``on_step_info``, which runs before this hook's ``on_after_step``). ``lr`` has one entry per param
+group, named by the group's ``"name"`` or ``group_<i>``: the rate the interval's last step used
+(read before the scheduler stepped). So wandb's and TensorBoard's keys are ``train/loss``,
+``train/lr/group_0``, ``train/<record>``. A record named like one of the stats is replaced by it,
+as in trainloop.
 
 Logs at every ``interval``-th step and at the run's last step (completed, stopped or preempted),
 so a run's tail is logged too. ``trainer.log`` is called on every rank (consumers such as

@@ -1,0 +1,71 @@
+"""What ``trainer.state_dict()`` holds and how ``load_state_dict()`` puts it back.
+
+The trainer owns its resumable state; this module is the order in which its parts are captured
+and restored, which is where exact resume is won or lost: the random streams are captured last
+(after every hook ran), and on load the scheduler goes before the optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainfsm import rng
+from trainfsm.torch_workarounds import load_model_and_optimizer
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from trainfsm.data_state import DataCursor
+    from trainfsm.trainer import BaseTrainer
+
+
+def capture(
+    trainer: BaseTrainer, model: nn.Module, optimizer: torch.optim.Optimizer, options: Any, data: DataCursor
+) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    scheduler, scaler = trainer.lr_scheduler, trainer.grad_scaler
+    state: dict[str, Any] = {
+        "model": model_state,
+        "optimizer": optim_state,
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "grad_scaler": scaler.state_dict() if scaler is not None else None,
+        "step": trainer.step,
+        "epoch": trainer.epoch,
+    }
+    for hook in trainer.hooks:
+        hook.on_state_dict(trainer, state)
+    # Last: the random streams as they stand once everything above ran.
+    state["rank_state"] = {"rng": rng.capture(), "data": data.state(), "loss_none_skips": trainer.loss_none_skips}
+    return state
+
+
+def restore(
+    trainer: BaseTrainer,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    options: Any,
+    data: DataCursor,
+    state: dict[str, Any],
+    data_resume: str,
+) -> None:
+    # The scheduler before the optimizer: a scheduler's load may write its view of the learning
+    # rates into the param groups, and the optimizer's saved groups (lr, initial_lr) must be the
+    # last word, or a resumed run trains at the wrong rate.
+    scheduler, scaler = trainer.lr_scheduler, trainer.grad_scaler
+    if scheduler is not None and state.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(state["lr_scheduler"])
+    load_model_and_optimizer(model, optimizer, state["model"], state["optimizer"], options)
+    if scaler is not None and state.get("grad_scaler"):
+        scaler.load_state_dict(state["grad_scaler"])
+    trainer.step = int(state["step"])
+    trainer.epoch = int(state.get("epoch", 0))
+    for hook in trainer.hooks:
+        hook.on_load_state_dict(trainer, state)
+    mine = state.get("rank_state")
+    if mine is not None and data_resume == "none":
+        rng.restore(mine["rng"])
+    elif mine is not None:
+        data.resume_later(data_resume, mine["data"], mine["rng"])
