@@ -8,6 +8,7 @@
 #   make test PYTEST_ARGS="-k diagram -x"
 #   make lint                  ruff check + ruff format --check
 #   make diagrams              regenerate diagrams/ from the machine's table
+#   make docs                  build the docs site into site/ (mkdocs build --strict; CI runs it)
 #   TORCH=2.5.1 make test      another torch version
 
 SHELL := /bin/bash
@@ -18,7 +19,7 @@ export VENV TORCH
 BIN := $(VENV)/bin
 LINTED := src tests benchmarks examples
 
-.PHONY: setup demo test lint format diagrams clean
+.PHONY: setup demo test lint format diagrams docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -41,5 +42,9 @@ diagrams: setup
 	$(BIN)/trainfsm diagram --format mermaid -o diagrams/machine.mmd
 	$(BIN)/trainfsm diagram --format dot -o diagrams/machine.dot
 
+docs:
+	@EXTRAS=dev,demo,docs bash scripts/setup.sh
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf runs build dist .pytest_cache .mypy_cache .ruff_cache src/*.egg-info
+	rm -rf runs build dist site .pytest_cache .mypy_cache .ruff_cache src/*.egg-info

@@ -353,3 +353,17 @@ def test_recording_hook_sees_the_same_steps_as_the_trail(make_trainer, events):
     before_steps = [s for _, m, s in log if m == "on_before_step"]
     micro_steps = [e["step"] for e in events() if e["event"] == "transition" and e["trigger"] == "micro"]
     assert before_steps == micro_steps == [1, 2, 3]
+
+
+def test_the_schema_documents_every_event_and_each_field_it_lists() -> None:
+    # The docs' event reference is generated from EVENT_DOCS: an event without a line there, or a
+    # field its description leaves out, would be missing from it.
+    from trainfsm.schema import COMMON_FIELDS as DOCUMENTED_COMMON
+    from trainfsm.schema import EVENT_DOCS
+
+    assert EVENT_DOCS.keys() == EVENT_FIELDS.keys()
+    for event, fields in EVENT_FIELDS.items():
+        described, when = EVENT_DOCS[event]
+        assert when, event
+        assert all(f"`{field}`" in described for field in fields), event
+    assert set(DOCUMENTED_COMMON) == set(COMMON_FIELDS)

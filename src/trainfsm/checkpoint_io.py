@@ -154,8 +154,9 @@ class DurableWriter:
       writeback is started right away (``posix_fadvise(DONTNEED)`` on the range), so the disk is
       busy from the first 4 MiB on and the final fsync waits only for the last buffers. After the
       fsync the file's pages, clean by then, are dropped on the I/O thread, once ``finish`` has
-      returned: a checkpoint does not push the training data out of the page cache. Measured on this machine's disk (ext4 on a virtio disk, issue 14's
-      closing note): 1 GB in 1.6 s this way, 3.2 s with ``O_DIRECT``, 3.0 s written then fsynced;
+      returned: a checkpoint does not push the training data out of the page cache. Measured on
+      this machine's disk (ext4 on a virtio disk, issue 14's closing note): 1 GB in 1.6 s this
+      way, 3.2 s with ``O_DIRECT``, 3.0 s written then fsynced;
     - ``direct=True`` opens the file with ``O_DIRECT`` instead, where the file system allows it
       (the disk reads each buffer straight from our page-aligned memory): for storage where that is
       the faster way; the last buffer is padded to ``ALIGN`` bytes and the file cut back to its

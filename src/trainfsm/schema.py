@@ -64,6 +64,131 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "exit": ("reason", "code"),
 }
 
+#: The fields every event carries -> what they mean (the reference page is built from this).
+COMMON_FIELDS: Final[dict[str, str]] = {
+    "ts": "seconds since the epoch",
+    "event": "the event's name",
+    "rank": "the process's rank (0 without `torch.distributed`)",
+    "step": "the trainer's step when it happened (the step being run, once STEP was entered)",
+    "state": "the machine's state when it happened (for a transition: the state it entered)",
+    "run_id": "the same for every launch of one run (read back from the trail on resume)",
+    "attempt": "0 for the first launch, +1 per resume",
+}
+
+#: Event name -> (its fields, explained; when it is written). The docs' event reference is built
+#: from this and ``EVENT_FIELDS``; ``tests/test_events.py`` checks that both name the same events.
+EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
+    "run_start": (
+        "`format` (2; 1 for trails before `steps` records), `trail` (`form`, `flush_seconds`, `segment_bytes`), "
+        "`versions`, `world_size`, `max_steps`, `config`, `slurm` (job id, array task, restart count, node, "
+        "rank; or null), `signals` (`ignored`, `blocked`, `pending`: of SIGHUP, SIGINT, SIGTERM, SIGUSR1, "
+        "SIGUSR2 and the trainer's own exit signals, when `train()` began), `torchelastic` (torchrun's "
+        "`restart_count`, `max_restarts`, `run_id`; or null)",
+        "`train()` starts",
+    ),
+    "transition": (
+        "`trigger`, `source`, `dest`",
+        'every transition of the machine that is not part of a routine step (with `trail_form="full"`: every one)',
+    ),
+    "steps": (
+        "`first`, `micro`, `dt`; `step` is the last of the run, `state` STEP, `ts` the last step's end",
+        "routine steps `first`..`step`, each of `micro` micro-batches, written as one record; `dt`: each "
+        "step's duration in integer microseconds (the first from its own start, the rest from the previous "
+        "step's end)",
+    ),
+    "restore": ("`resumed`, `from_step`", "RESTORE is done: fresh start or resumed"),
+    "epoch": ("`epoch`", "the data iterator ran out and a new epoch started"),
+    "data_resumed": (
+        "`mode` (`state`, `sampler`, `skip`, `none`), `why`, `epoch`, `batches` (of the epoch already used), "
+        "`positioned` (batches skipped at the sampler or replayed), `seconds`",
+        "RESTORE put the data iterator back where the checkpoint was",
+    ),
+    "data_exhausted": (
+        "`epochs`, `dropped_micro_batches`",
+        "`max_epochs` epochs are done: the run ends (`exhausted`)",
+    ),
+    "metrics": (
+        "`values` (`train/loss`, `train/lr/<group>`, `train/grad_norm`, ..., `train/<record>`: `LoggingHook`'s "
+        "records with keys joined by `/`)",
+        "`LoggingHook`'s interval averages (DEBUG)",
+    ),
+    "loss_none": (
+        "`micro`, `ranks`",
+        "`forward` returned `loss=None` (on the rank(s) in `ranks`): every rank skipped the micro-batch",
+    ),
+    "non_finite": (
+        "`what`, `retry`, `max`, `scale`",
+        'non-finite gradients: `what="gradients"` (a RETRY) or `"scaler_skip"` (fp16, with the scale that overflowed)',
+    ),
+    "checkpoint_saved": (
+        "`path`, `saved_step`, `bytes`, `seconds`, `checksum` (of the manifest), `kept`, `asynchronous` "
+        "(+ `blocked_seconds`), `sharded`, `direct_io` (its files went past the page cache)",
+        "a checkpoint is durable",
+    ),
+    "checkpoint_loaded": ("`path`, `from_step`, `sharded`", "RESTORE loaded a checkpoint"),
+    "checkpoint_skipped": (
+        "`path`, `reason`",
+        '`load="latest"` passed over an incomplete or corrupt checkpoint',
+    ),
+    "checkpoint_pruned": ("`paths`", "old checkpoints deleted after a save"),
+    "checkpoint_tmp_removed": ("`names`", "leftovers of an interrupted save deleted in RESTORE"),
+    "checkpoint_store_ready": (
+        "`seconds`",
+        "RESTORE made the store's writer thread and staging buffers, so the first save does not pay for them (DEBUG)",
+    ),
+    "checkpoint_failed": (
+        "`type`, `message`",
+        "an asynchronous save failed (the run then fails: at the next step, or for a sharded save at the "
+        "next checkpoint or EXIT)",
+    ),
+    "signal_received": (
+        "`signal`, `received_at`, `at_step`, `at_state`",
+        "an exit signal arrived (logged at the next safe point, not in the handler)",
+    ),
+    "signal_agreed": (
+        "`signal`, `agreed_step`",
+        "all ranks agreed a signal is pending: checkpoint at this step, then EXIT",
+    ),
+    "signal_passed_on": (
+        "`signal`, `received_at`, `at_state`, `disposition` (`default`, `ignored`, `handler`)",
+        "a signal held in BUILD that the exit policy does not name: it gets its old disposition back and is "
+        "raised again (`default` may end the process right after this event)",
+    ),
+    "requeue": (
+        "`command`, `ok`, `message`",
+        "rank 0 ran `scontrol requeue` (or why it did not) after the checkpoint was durable",
+    ),
+    "wandb_run": (
+        "`wandb_id`, `continued`, `mode`",
+        "`WandbHook` started its wandb run (`continued`: the id kept in the workspace was resumed)",
+    ),
+    "early_stop": (
+        "`monitor`, `best`, `best_step`, `bad_evaluations`, `patience`",
+        "`EarlyStoppingHook` ran out of patience: checkpoint, then EXIT with reason `stopped`",
+    ),
+    "cuda_memory_unavailable": (
+        "`device`",
+        "`CudaMaxMemoryHook` on a trainer that does not run on CUDA (also a `CudaMemoryUnavailableWarning`)",
+    ),
+    "collective_failed": (
+        "`note`, `trails`",
+        "several ranks: this rank's error looks like a failed collective; `note` (also added to the error) "
+        "says what most likely happened, `trails` which trail to read",
+    ),
+    "group_outlives_destroy": (
+        "`cause`",
+        "BUILD: torch holds the default process group (trainfsm was imported after it was created), so the "
+        "process may abort at exit; also a `GroupOutlivesDestroyWarning`",
+    ),
+    "exception": ("`type`, `message`, `traceback`", "an exception, before `fail` takes the machine to EXIT"),
+    "exit": (
+        "`reason` (`completed`, `preempted`, `failed`, `stopped`, `interrupted`), `code`: the status the "
+        "process exits with (the shell's `$?`): 130 for Ctrl-C (`interrupted`: Python ends itself with "
+        "SIGINT), a `SystemExit`'s own code (`stopped` when 0)",
+        "the last event of a launch",
+    ),
+}
+
 #: The trail's forms: routine steps as ``steps`` records, or every transition verbatim (debugging).
 TRAIL_FORMS: Final = ("compact", "full")
 

@@ -46,7 +46,40 @@ __all__ = ["BaseTrainer", "LossNoneWarning"]
 
 class BaseTrainer(fsm.Triggers):
     """Subclass it, implement ``build_data_loader``, ``build_model``, ``build_optimizer`` and
-    ``forward``, then call ``train()``."""
+    ``forward``, then call ``train()``.
+
+    Optionally override ``build_lr_scheduler`` (stepped once per applied optimizer step),
+    ``build_grad_scaler`` (default: enabled for ``mixed_precision="fp16"``) and ``build_hooks``.
+    ``forward(input)`` gets one batch and returns ``(loss, records)``: the loss to backpropagate
+    (or None to skip the micro-batch) and a dict of figures (tensors are fine: nothing is read
+    from the device per step).
+
+    Arguments (each is checked at construction; a bad value names the argument and what it takes):
+
+    - ``max_steps``: optimizer steps in all; the run completes there (a resumed run counts on).
+    - ``grad_clip``: clip the gradients' 2-norm to this (``step_info["grad_norm"]`` is the norm
+      before clipping); None: no clipping.
+    - ``max_non_finite_grad_retries``: a step whose gradients are not finite is retried on fresh
+      batches up to this many times (RETRY), then the run fails; None or 0: fail at once (with the
+      fp16 grad scaler, its skip-and-rescale applies instead).
+    - ``mixed_precision``: None, ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a grad scaler).
+    - ``gradient_accumulation_steps``: micro-batches per optimizer step (default 1).
+    - ``workspace``: the run's directory: the audit trail (``logs/``), checkpoints and other
+      hooks' files go under it; None: the trail goes to the console only.
+    - ``device``: where the model runs (default: CUDA when available, else CPU).
+    - ``no_sync_accumulate``: skip the gradient all-reduce on all but a step's last micro-batch
+      (DDP's ``no_sync``), default True.
+    - ``state_dict_options``: torch's ``StateDictOptions`` for ``state_dict()`` (FSDP: full or
+      sharded state).
+    - ``logger``: the stdlib logger people read the events through (default
+      ``logging.getLogger("trainfsm")``).
+    - ``max_epochs``: also end the run when the data runs out this many times; None: loop over
+      the data until ``max_steps``.
+    - ``loss_none_agreement``: with several ranks, agree before every backward whether some rank's
+      loss is None, so one rank may skip alone (one small all-reduce per micro-batch).
+    - ``trail_form``: ``"compact"`` (routine steps as ``steps`` records) or ``"full"`` (every
+      transition verbatim, for debugging the trail).
+    """
 
     def __init__(
         self,
