@@ -841,3 +841,19 @@ def test_the_writers_one_off_set_up_happens_in_restore_not_in_the_first_save(tmp
     assert hook.store is not None and hook.store._staging is None  # closed at EXIT
     ready = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_store_ready"]
     assert len(ready) == 1 and ready[0]["state"] == "RESTORE" and ready[0]["seconds"] >= 0
+
+
+def test_load_names_a_pointer_that_is_a_plain_file_where_links_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*_: Any, **__: Any) -> None:
+        raise OSError("symlinks not supported")
+
+    monkeypatch.setattr(Path, "symlink_to", no_links)
+    run(tmp_path, 8, interval=4, keep_previous=1)
+    root = tmp_path / "checkpoints"
+    CheckpointStore(root).point("best", "4")
+    assert (root / "best").read_text() == "4\n"
+    resumed = Trainer(CheckpointingHook(interval=4, load="best"), max_steps=8, workspace=tmp_path)
+    resumed.train()
+    assert [e["path"] for e in events(tmp_path, "checkpoint_loaded")] == [str(root / "4")]

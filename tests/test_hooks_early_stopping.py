@@ -138,10 +138,17 @@ def test_without_a_checkpoint_hook_it_only_stops(tmp_path: Path) -> None:
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_listed_before_its_validation_hook_is_a_clear_error(tmp_path: Path) -> None:
-    hooks = [EarlyStoppingHook(), ValidationHook(2, evaluate=Scripted())]
-    with pytest.raises(ValueError, match="is listed before the ValidationHook\\(name='val'\\) that logs it"):
-        TinyTrainer(max_steps=4, workspace=tmp_path, hooks=hooks).train()
+def test_listed_before_its_validation_hook_it_decides_on_the_same_evaluations(tmp_path: Path) -> None:
+    # Every hook's on_evaluate runs before any wants_* is asked, so the list's order does not matter.
+    outcomes = []
+    for name, order in (("after", 1), ("before", -1)):
+        stopper = EarlyStoppingHook(patience=2)
+        hooks = [CheckpointingHook(interval=100), ValidationHook(2, evaluate=Scripted()), stopper][::order]
+        trainer = TinyTrainer(max_steps=20, workspace=tmp_path / name, hooks=hooks)
+        trainer.train()
+        best = os.readlink(tmp_path / name / "checkpoints" / "best")
+        outcomes.append((trainer.step, trainer.exit_reason, stopper.best_step, best))
+    assert outcomes[0] == outcomes[1] and outcomes[0][1] == "stopped"
 
 
 def test_improvement_rules_mode_min_delta_and_non_finite_values() -> None:

@@ -16,7 +16,7 @@ import torch
 
 
 class StepInfo(dict[str, Any]):
-    """One optimizer step's figures, by trainloop's keys (see the README's table).
+    """One optimizer step's figures, by trainloop's keys (the machine-and-hooks guide lists them).
 
     ``loss``, ``records`` and ``data_time`` are per micro-batch lists, as trainloop has them;
     ``loss`` and ``grad_norm`` are tensors on the device (reading them is a host sync). Keys a hook

@@ -68,6 +68,9 @@ def restore(
     path = Path(load)
     if not path.is_absolute() and (store.root / path).exists():  # "1000" means checkpoints/1000
         path = store.root / path
+        target = store.target(str(load)) if path.is_file() else None
+        if target is not None:  # "best" where pointers are one-line files (no symlinks there)
+            path = store.root / target
     manifest, parts = _verified(trainer, path)
     _apply(trainer, path, manifest, parts, current, data_resume)
     return path

@@ -55,7 +55,7 @@ class CheckpointingHook(BaseHook):
     sharded ``async_save`` needs every rank to save at the same steps, as it does anyway); a
     failed sharded save raises on every rank at the next checkpoint or at EXIT.
 
-    ``checksum``: what the manifest lists for each 4 MiB of every file, ``"xxh3_128"`` (default: fast;
+    ``checksum``: what the manifest lists for every file (one sum per file), ``"xxh3_128"`` (default: fast;
     it guards against torn writes, bit rot and truncation, which is what a checksum stored beside the
     data can do) or ``"sha256"``. Loading verifies with whichever one a checkpoint's manifest names.
 

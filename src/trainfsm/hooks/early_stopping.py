@@ -10,8 +10,9 @@ otherwise (NaN and infinities included) the count of evaluations without improve
 The ``best`` pointer: an improvement asks for a checkpoint (``wants_checkpoint``) and has
 ``CheckpointingHook.point_when_saved`` move ``best`` as part of that save, right after ``latest``
 and before pruning (also for an asynchronous save), and pruning never deletes a pointer's target.
-When the value is logged at the step's decision point, as ``ValidationHook`` does when it is listed
-before this hook, that checkpoint holds exactly the evaluated weights. A value logged later in a
+When the value is logged at the step's decision point, as ``ValidationHook`` does (every hook's
+``on_evaluate`` runs before any ``wants_*`` is asked), that checkpoint holds exactly the evaluated
+weights. A value logged later in a
 step (from ``on_after_step``) is checkpointed at the end of the next step, the first chance left.
 
 Resumable state, saved under ``early_stopping:<monitor>``: the best value, the step it was logged
@@ -30,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Final
 
 from trainfsm.hooks.base import BaseHook
 from trainfsm.hooks.checkpointing import CheckpointingHook
-from trainfsm.hooks.validation import ValidationHook
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -128,12 +128,6 @@ class EarlyStoppingHook(BaseHook):
     # ------------------------------------------------------------------ store and resume
     def on_before_train(self, trainer: BaseTrainer) -> None:
         hooks = trainer.hooks
-        feeder = next((h for h in hooks if isinstance(h, ValidationHook) and h.name == self._path[0]), None)
-        if feeder is not None and hooks.index(feeder) > hooks.index(self):
-            raise ValueError(
-                f"EarlyStoppingHook(monitor={self.monitor!r}) is listed before the ValidationHook(name="
-                f"{feeder.name!r}) that logs it; list it after, so that it decides on this step's evaluation."
-            )
         self._checkpoints = next((h for h in hooks if isinstance(h, CheckpointingHook)), None)
         if self._unsaved is None:
             return
