@@ -50,3 +50,18 @@ def test_every_snippet_the_docs_include_exists() -> None:
     for page in PAGES:
         for included in re.findall(r'^\s*--8<-- "([^"]+)"', page.read_text(), flags=re.MULTILINE):
             assert (ROOT / included).is_file(), f"{page.relative_to(ROOT)} includes {included}, which is missing"
+
+
+def test_the_guides_transition_table_is_the_machines() -> None:
+    from trainfsm import machine
+
+    page = (ROOT / "docs" / "guides" / "machine-and-hooks.md").read_text()
+    section = page.split("### Transitions", 1)[1]
+    rows = set()
+    for trigger, sources, dest in re.findall(r"^\| `(\w+)` \| ([^|]+) \| (\w+) \|", section, flags=re.MULTILINE):
+        if sources.strip() == "every state but EXIT":
+            names = [state for state in machine.STATES if state != machine.EXIT]
+        else:
+            names = [name.strip() for name in sources.split(",")]
+        rows |= {(trigger, source, dest) for source in names}
+    assert rows == set(machine.transition_rows())
