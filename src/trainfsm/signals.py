@@ -1,0 +1,190 @@
+"""The signal handlers of one ``train()``: install, record, hold until the exit policy is known,
+pass on what it does not name, restore; and, under torchrun, the parent-death signal.
+
+``trainfsm.preemption.Preemption`` owns a ``SignalWatcher`` and decides what an arrival means; this
+module only records. A scheduler's signal can arrive at any instant (inside a kernel launch, a
+checkpoint write, a collective), so the handler does no I/O, takes no lock and starts no
+collective: it records which signal came, when, at which step and in which state.
+
+From the first line of ``train()`` to its last no exit signal is lost. The policy (which signals,
+which code) may come from ``CheckpointingHook(exit_signals=...)``, known only once
+``build_hooks()`` returned, but a scheduler may signal while the model is still being built. So
+``train()`` first *holds* the signals schedulers send (``HELD_SIGNALS``: SIGTERM, SIGUSR1, SIGUSR2)
+and any that ``set_exit_signals()`` named: their arrivals are recorded, nothing acts yet. Once the
+policy is known (``SignalWatcher.decide``), a held signal it names becomes pending (BUILD then
+takes ``preempt``), and every other held signal gets back the disposition it had before ``train()``
+and, if it arrived meanwhile, is raised again: it kills the process, is ignored or runs the user's
+handler, as it would have without trainfsm, only later. SIGINT is held only when
+``set_exit_signals()`` names it, so that Ctrl-C during a long build is not delayed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Final
+
+#: Held from the first line of ``train()`` until the exit policy is known: the signals schedulers
+#: send before a kill (SLURM's ``--signal``, ``scancel``, preemption, torchrun's forwarding).
+HELD_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+#: Reported at ``run_start`` when ignored, blocked or pending as ``train()`` begins.
+REPORTED_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGHUP, signal.SIGINT, *HELD_SIGNALS)
+
+
+_PR_SET_PDEATHSIG: Final = 1
+_PR_GET_PDEATHSIG: Final = 2
+
+
+def on_launcher_death(sig: signal.Signals) -> int | None:
+    """Under torchrun, have the kernel send ``sig`` to this worker when its launcher dies; returns
+    the previous parent-death signal (to restore at EXIT), or None where nothing was set.
+
+    torchrun handles only the signals in ``--signals-to-handle`` (by default SIGTERM, SIGINT,
+    SIGHUP, SIGQUIT) and forwards those to its workers; any other signal that kills it, such as
+    SLURM's SIGUSR1 to an ``exec torchrun`` batch script, leaves its workers training as orphans,
+    with nobody to checkpoint or requeue. With this they get ``sig`` (SIGTERM: a preemption by
+    default) the moment the launcher dies. Linux only (``prctl``); a no-op outside torchrun.
+    """
+    if sys.platform != "linux" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    previous = ctypes.c_int(0)
+    if libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(previous), 0, 0, 0) != 0:
+        return None
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return None
+    return previous.value
+
+
+def restore_launcher_death(previous: int | None) -> None:
+    if previous is None:
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, previous, 0, 0, 0)
+
+
+@dataclass(slots=True)
+class Received:
+    signum: int
+    at: float
+    step: int
+    state: str
+
+
+def state_at_start(signals: Iterable[signal.Signals]) -> dict[str, list[str]]:
+    """Which of ``signals`` were ignored, blocked or already pending when ``train()`` began.
+
+    An ignored signal (``nohup``; bash ignores SIGINT for background jobs) still reaches trainfsm's
+    handler once installed; a blocked one never arrives while it stays blocked, whatever handler
+    is installed; a pending one is blocked and already sent.
+    """
+    wanted = list(dict.fromkeys(signals))
+    ignored = [s.name for s in wanted if signal.getsignal(s) is signal.SIG_IGN]
+    blocked: list[str] = []
+    pending: list[str] = []
+    if hasattr(signal, "pthread_sigmask"):
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+        blocked = [s.name for s in wanted if s in mask]
+        arrived = signal.sigpending()
+        pending = [s.name for s in wanted if s in arrived]
+    return {"ignored": ignored, "blocked": blocked, "pending": pending}
+
+
+def disposition(handler: Any) -> str:
+    """How a signal's handler before ``train()`` treats it: ``default``, ``ignored`` or ``handler``."""
+    if handler is signal.SIG_IGN:
+        return "ignored"
+    if handler is signal.SIG_DFL or handler is None:
+        return "default"
+    return "handler"
+
+
+@dataclass(slots=True)
+class SignalWatcher:
+    """Installs the handlers (only from ``train()``), records arrivals, restores the old handlers.
+
+    Until ``decide`` is called with the exit policy's signals, arrivals are only held (recorded,
+    not pending); after it, a named signal's arrival is pending at once.
+    """
+
+    where: Any  # the trainer: its ``step`` and ``state`` are read (never written) by the handler
+    received: list[Received] = field(default_factory=list)
+    pending: int = 0
+    #: The signals that end training, once the exit policy is known; None while signals are held.
+    acting: frozenset[int] | None = None
+    _previous: dict[int, Any] = field(default_factory=dict)
+    _wake: threading.Event = field(default_factory=threading.Event)
+
+    def install(self, signals: Iterable[signal.Signals]) -> list[signal.Signals]:
+        """Install handlers for ``signals`` not yet handled; returns those newly installed.
+
+        Python delivers signals to the main thread only; elsewhere nothing can be installed and the
+        caller records that.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return []
+        added = []
+        for sig in signals:
+            if sig not in self._previous:
+                self._previous[sig] = signal.signal(sig, self._handle)
+                added.append(sig)
+        return added
+
+    def decide(self, signals: Iterable[signal.Signals]) -> list[tuple[Received, str]]:
+        """The exit policy is known: act on ``signals`` from now on, hand every other held signal
+        back to its old disposition. Returns the held arrivals of those others, each with the
+        disposition it goes back to, for the caller to record and raise again (in that order)."""
+        acting = frozenset(signals)
+        self.install(acting)
+        passed_on: list[tuple[Received, str]] = []
+        for sig in [s for s in self._previous if s not in acting]:
+            previous = self._previous.pop(sig)
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            how = disposition(previous)
+            passed_on += [(r, how) for r in self.received if r.signum == sig]
+        self.received = [r for r in self.received if r.signum in acting]
+        self.acting = acting
+        if self.received and not self.pending:
+            self.pending = self.received[0].signum
+        passed_on.sort(key=lambda item: item[0].at)
+        return passed_on
+
+    @property
+    def installed_any(self) -> bool:
+        return bool(self._previous)
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Only records: no I/O, no logging, no collective. The machine acts at the next safe point.
+        if self.pending and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now (checkpoints are atomic regardless)
+        where = self.where
+        # Before the machine exists (the first lines of train()) the trainer has no state yet.
+        self.received.append(Received(signum, time.time(), where.step, getattr(where, "state", "BUILD")))
+        if not self.pending and self.acting is not None and signum in self.acting:
+            self.pending = signum
+        self._wake.set()
+
+    def take_new(self) -> list[Received]:
+        """Arrivals not yet reported, for the audit trail (called from the main loop, not the handler)."""
+        new, self.received = self.received, []
+        return new
+
+    def sleep(self, seconds: float) -> None:
+        """``exit_wait``: a further signal cuts it short."""
+        self._wake.clear()
+        self._wake.wait(seconds)
