@@ -113,6 +113,26 @@ def test_a_signal_during_build_exits_without_saving(tmp_path: Path) -> None:
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_with_set_exit_signals_a_signal_it_does_not_name_keeps_its_handler_all_along(tmp_path: Path) -> None:
+    # The policy is known as train() begins, so nothing else is held: the user's SIGTERM handler
+    # runs when SIGTERM comes (step 3), as it would without trainfsm, not never.
+    steps: list[int] = []
+    run = TinyTrainer(max_steps=5, workspace=tmp_path, hooks=[SignalAt(step=3, sig=signal.SIGTERM)])
+
+    def users_handler(signum: int, frame: Any) -> None:
+        steps.append(run.step)
+
+    previous = signal.signal(signal.SIGTERM, users_handler)
+    try:
+        run.set_exit_signals([USR1])
+        run.train()
+        assert signal.getsignal(signal.SIGTERM) is users_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert steps == [3] and run.exit_reason == "completed"
+    assert "signal_received:SIGTERM" not in outline(tmp_path)
+
+
 def test_a_signal_during_restore_exits_without_saving(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         trainer(tmp_path, SignalAt(state="RESTORE")).train()

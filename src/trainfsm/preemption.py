@@ -135,8 +135,10 @@ class Preemption:
         #: Which signals were ignored, blocked or pending as ``train()`` began (``run_start``).
         self.at_start = state_at_start((*REPORTED_SIGNALS, *own))
         self.watcher = SignalWatcher(where)  # ``where``: the trainer, whose step and state it records
-        self.watcher.install(dict.fromkeys((*HELD_SIGNALS, *own)))
-        if policy is not None:
+        if policy is None:  # a hook may declare it: hold what schedulers send until BUILD knows
+            self.watcher.install(HELD_SIGNALS)
+        else:  # known from the start: only its signals are ours, the others keep their handlers
+            self.watcher.install(own)
             self.watcher.acting = frozenset(own)
         self._launcher_death = on_launcher_death(signal.SIGTERM)  # torchrun died: workers must not train on
         self.log: Any = None  # the trail's logger, once the trail is open
