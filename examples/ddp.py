@@ -15,13 +15,13 @@ at most that long instead of waiting forever (gloo notices a peer that exited at
 
 ``--loss-none-agreement`` passes ``loss_none_agreement=True``: the ranks then agree before every
 backward, so a ``forward`` that returns None on one rank makes every rank skip that micro-batch (one
-small all-reduce per micro-batch; see the README's "Distributed runs"). This example's forward
+small all-reduce per micro-batch; see docs/guides/distributed.md). This example's forward
 never returns None; the flag shows where the option goes.
 
 ``--loader stateful`` uses torchdata's ``StatefulDataLoader`` (``pip install 'trainfsm[data]'``),
 which saves its own position; ``--workers N`` loads with N worker processes. With the default
 ``DataLoader`` a resume skips the used indices at the sampler (``num_workers=0``) or replays the
-used batches (workers): see the README's data-resume table.
+used batches (workers): see docs/guides/data-resume.md.
 """
 
 from __future__ import annotations

@@ -19,8 +19,17 @@ from typing import Any
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Public names outside ``__all__`` that users' code reads or builds (documented with the API).
-MORE_API = ("trainfsm.step_info.StepInfo", "trainfsm.checkpoint.CheckpointStore", "trainfsm.trail.read_events")
+#: Public names outside ``__all__`` that users' code reads or builds, and the utility modules
+#: (documented with the API, each module with its public functions).
+MORE_API = (
+    "trainfsm.step_info.StepInfo",
+    "trainfsm.checkpoint.CheckpointStore",
+    "trainfsm.trail.read_events",
+    "trainfsm.schedules",
+    "trainfsm.lr_finder",
+    "trainfsm.devices",
+    "trainfsm.distributed",
+)
 
 
 def _public() -> tuple[list[tuple[str, str, list[str]]], list[tuple[str, str, list[str]]]]:
