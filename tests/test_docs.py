@@ -65,3 +65,15 @@ def test_the_guides_transition_table_is_the_machines() -> None:
             names = [name.strip() for name in sources.split(",")]
         rows |= {(trigger, source, dest) for source in names}
     assert rows == set(machine.transition_rows())
+
+
+def test_the_guide_names_every_hook_method_and_every_built_in_hook() -> None:
+    import trainfsm
+    from trainfsm.hooks.base import BaseHook
+
+    page = (ROOT / "docs" / "guides" / "machine-and-hooks.md").read_text()
+    methods = [name for name in vars(BaseHook) if name.startswith(("on_", "wants_"))]
+    assert methods and all(f"`{name}" in page for name in methods), [m for m in methods if f"`{m}" not in page]
+    hooks = [n for n in trainfsm.__all__ if isinstance(getattr(trainfsm, n, None), type) and n.endswith("Hook")]
+    missing = [name for name in hooks if f"`{name}`" not in page]
+    assert not missing, f"built-in hooks the guide does not name: {missing}"
