@@ -112,12 +112,8 @@ class BaseTrainer(fsm.Triggers):
         self.no_sync_accumulate = check.boolean("no_sync_accumulate", no_sync_accumulate)
         self.state_dict_options = check.state_dict_options(state_dict_options)
         self.logger = check.logger(logger)
-        # None: every exhaustion of the data starts a new epoch, and only max_steps ends the run.
         self.max_epochs = check.positive_int("max_epochs", max_epochs, allow_none=True)
-        # With several ranks: agree before every backward whether some rank's loss is None (one
-        # small host all-reduce per micro-batch), so one rank may skip alone; see trainfsm.collectives.
         self.loss_none_agreement = check.boolean("loss_none_agreement", loss_none_agreement)
-        # How the audit trail writes routine steps: "compact" runs of them, or "full" transitions.
         self.trail_form = check.trail_form(trail_form)
         #: Micro-batches this rank skipped for loss=None in this launch (with loss_none_agreement,
         #: also those another rank returned None for): checkpoints compare the ranks' counts.
@@ -200,15 +196,11 @@ class BaseTrainer(fsm.Triggers):
         fsm.bind(machine, "enter", fsm.STEP, self._begin_step)
         fsm.bind(machine, "enter", fsm.EXIT, self._finish_exit)
         machine.compile_events(self, event_log.transition_recorder)
+        # One _run_<state> per state: what the state does, returning the trigger that leaves it.
         runs: dict[str, Callable[[], Callable[[], bool] | None]] = {
-            fsm.BUILD: self._run_build,
-            fsm.RESTORE: self._run_restore,
-            fsm.STEP: self._run_step,
-            fsm.ACCUMULATE: self._run_accumulate,
-            fsm.RETRY: self._run_retry,
-            fsm.CHECKPOINT: self._run_checkpoint,
-            fsm.EXIT: lambda: None,
+            state: getattr(self, f"_run_{state.lower()}") for state in fsm.STATES if state != fsm.EXIT
         }
+        runs[fsm.EXIT] = lambda: None
         try:
             trigger = runs[self.state]()
             while trigger is not None:
