@@ -1,6 +1,6 @@
 """Per-step cost of BaseTrainer over a hand-written DDP loop doing the same work, on 2 gloo ranks.
 
-Each rank (a process, one thread) runs both, interleaved step by step as in ``overhead.py``: the
+Each rank (a process, one thread) runs both, interleaved step by step: the
 trainer's data iterator is a generator that, before handing the trainer its next batch, runs one
 step of the hand-written loop and times it; the trainer's step time is the time from handing over
 a batch to the next request. Both loops wrap their own copy of the model in
@@ -25,6 +25,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +37,29 @@ TARGET = 1.05
 CASES = {"small": (128, 32), "wide": (2048, 256)}  # name: (hidden width, batch per rank)
 
 
+def interleaved(
+    hand_step: Callable[[int], None],
+    data: list[Any],
+    steps: int,
+    warmup: int,
+    hand: list[float],
+    trainer_times: list[float],
+) -> Iterator[Any]:
+    """The trainer's data: before each batch, one timed hand-written step. The trainer's own step
+    is the time between two requests for a batch: the hand step runs outside that interval."""
+    resumed = None
+    for i in range(steps + warmup + 1):
+        now = time.perf_counter()
+        if resumed is not None and i > warmup:
+            trainer_times.append(now - resumed)
+        start = time.perf_counter()
+        hand_step(i)
+        if i >= warmup:
+            hand.append(time.perf_counter() - start)
+        resumed = time.perf_counter()
+        yield data[i % len(data)]
+
+
 def make_model(width: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(784, width), nn.ReLU(), nn.Linear(width, 10))
@@ -42,7 +67,6 @@ def make_model(width: int) -> nn.Module:
 
 def run_case(rank: int, width: int, batch: int, steps: int, warmup: int) -> dict[str, float]:
     """One case on this rank: medians of the hand-written and the trainer's step, in seconds."""
-    from overhead import interleaved  # benchmarks/ is on sys.path when this script runs
     from torch.nn.parallel import DistributedDataParallel
 
     from trainfsm import BaseTrainer
