@@ -9,6 +9,7 @@ raised. Every call records which batch it saw, so tests can tell which data a st
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -212,3 +213,12 @@ def assert_valid_chain(rows: Sequence[tuple[str, str, str]]) -> None:
     for (_, _, dest), (_, source, _) in itertools.pairwise(rows):
         assert dest == source
     assert rows[-1][2] == EXIT
+
+
+def ignored_here(*also: signal.Signals) -> list[str]:
+    """``run_start``'s ``ignored`` for a process started from this one (or for this one): what this
+    process ignores already (``nohup`` ignores SIGHUP, and ignored signals survive ``exec``), plus
+    ``also``, in the trail's order."""
+    from trainfsm.signals import REPORTED_SIGNALS
+
+    return [s.name for s in REPORTED_SIGNALS if s in also or signal.getsignal(s) == signal.SIG_IGN]
