@@ -51,7 +51,7 @@ def test_the_check_leaves_every_gradient_bit_identical():
     params[1].grad[0] = -0.0  # the fused pass multiplies by exactly 1.0: even the sign of zero stays
     before = [param.grad.clone() for param in params]
     FiniteCheck(params)()
-    for param, kept in zip(params, before):
+    for param, kept in zip(params, before, strict=True):
         assert torch.equal(param.grad.view(torch.int32), kept.view(torch.int32))
 
 

@@ -198,7 +198,7 @@ class DurableWriter:
             done += take
             if self._filled == BUFFER_BYTES:
                 self._send()
-                self._settle(self._current)
+                self._wait_for_write(self._current)
         self.bytes += size
         return size
 
@@ -216,7 +216,7 @@ class DurableWriter:
         self._current = (index + 1) % len(self._buffers)
         self._filled = 0
 
-    def _settle(self, index: int) -> None:
+    def _wait_for_write(self, index: int) -> None:
         write, self._writes[index] = self._writes[index], None
         if write is not None:
             write.result()
@@ -258,6 +258,8 @@ class DurableWriter:
         return self._direct
 
     def flush(self) -> None:
+        """Part of the file protocol ``torch.save`` writes through; the bytes reach the disk in
+        ``finish()`` (write, fsync), so there is nothing to do here."""
         return None
 
     def finish(self) -> dict[str, Any]:
@@ -265,7 +267,7 @@ class DurableWriter:
         if self._filled:
             self._send()
         for index in range(len(self._buffers)):
-            self._settle(index)
+            self._wait_for_write(index)
         if self._padded:
             os.ftruncate(self._fd, self.bytes)
         os.fsync(self._fd)

@@ -18,6 +18,7 @@ from torch import nn
 
 from trainfsm import collectives
 from trainfsm.collectives import LossNoneAgreement
+from trainfsm.utils import local_part
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -27,12 +28,6 @@ MIXED_PRECISION_DTYPES: dict[str | None, torch.dtype | None] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2 gradients), the tensor itself otherwise."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
 
 
 # CPU gradients with at least this many elements are summed one by one; smaller ones share one
@@ -62,7 +57,7 @@ class FiniteCheck:
     """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
-        self.sharded = any(_local(param) is not param for param in params)
+        self.sharded = any(local_part(param) is not param for param in params)
         if self.sharded:  # the flag lives where the collective runs: CUDA for nccl, CPU for gloo
             import torch.distributed as dist
 
@@ -73,11 +68,9 @@ class FiniteCheck:
         self._summed: list[tuple[nn.Parameter, torch.dtype | None]] = []
         groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
         for param in params:
-            local = _local(param)
+            local = local_part(param)
             low_precision = local.dtype in (torch.float16, torch.bfloat16)
-            if local.device.type == "cpu" and (
-                not fused_cpu or low_precision or local.numel() >= CPU_SUM_MIN_ELEMENTS
-            ):
+            if local.device.type == "cpu" and (not fused_cpu or low_precision or local.numel() >= CPU_SUM_MIN_ELEMENTS):
                 self._summed.append((param, torch.float32 if low_precision else None))
             else:
                 groups.setdefault((local.device, local.dtype), []).append(param)
@@ -88,7 +81,7 @@ class FiniteCheck:
 
     def _grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         if self.sharded:
-            return [_local(p.grad) for p in params if p.grad is not None]
+            return [local_part(p.grad) for p in params if p.grad is not None]
         return [p.grad for p in params if p.grad is not None]
 
     def __call__(self) -> bool:
@@ -98,7 +91,7 @@ class FiniteCheck:
             grad = param.grad
             if grad is not None:
                 if self.sharded:
-                    grad = _local(grad)
+                    grad = local_part(grad)
                 total += (grad.sum() if dtype is None else grad.sum(dtype=dtype)).item()
         for params, found, one in self._fused:
             grads = self._grads(params)

@@ -144,6 +144,13 @@ def is_distributed_wrapper(model: nn.Module) -> bool:
     return isinstance(model, (fsdp.FullyShardedDataParallel, fsdp.FSDPModule))
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2 parameters and gradients, a shard of a sharded save);
+    any other tensor itself. Duck-typed, so nothing of ``torch.distributed`` is imported for it."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None and hasattr(tensor, "placements") else tensor
+
+
 def user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel for the first frame outside trainfsm: the user's ``train()`` call
     (the machine's dispatch lies between the warning and it, at a depth that depends on the caller)."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from trainfsm.checkpoint import CheckpointError
-from trainfsm.utils import map_nested_tensor
+from trainfsm.utils import local_part, map_nested_tensor
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -147,31 +147,26 @@ def stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple[
     waits for those copies.
     """
     model = trainer.model
-    parameters = {_local(p).data_ptr() for p in model.parameters()} if model is not None else set()
+    parameters = {local_part(p).data_ptr() for p in model.parameters()} if model is not None else set()
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def later(tensor: torch.Tensor) -> torch.Tensor:
-        local = _local(tensor).detach()
+        local = local_part(tensor).detach()
         target = torch.empty_like(local, device="cpu")
         copies.append((local, target))
         return _shaped_like(tensor, target)
 
     def now(tensor: torch.Tensor) -> torch.Tensor:
-        return _shaped_like(tensor, _local(tensor).detach().to("cpu", copy=True))
+        return _shaped_like(tensor, local_part(tensor).detach().to("cpu", copy=True))
 
     staged = {
         part: map_nested_tensor(
-            (lambda t: later(t) if _local(t).data_ptr() in parameters else now(t)) if part == "model" else later, value
+            (lambda t: later(t) if local_part(t).data_ptr() in parameters else now(t)) if part == "model" else later,
+            value,
         )
         for part, value in parts.items()
     }
     return staged, copies
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (a shard of a sharded save); any other tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None and hasattr(tensor, "placements") else tensor
 
 
 def _shaped_like(original: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from trainfsm.checkpoint_io import describe_file
 from trainfsm.events import notice
 from trainfsm.hooks.async_save import BackgroundSaves, stage
+from trainfsm.machine import ExitReason
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -235,7 +236,7 @@ def log_saved(trainer: BaseTrainer, saved: Saved, blocked: float | None, world: 
     )
     if saved.pruned:
         trainer.events.info("checkpoint_pruned", paths=[str(c.path) for c in saved.pruned])
-    if trainer.exit_reason == "preempted" and trainer.rank == 0:
+    if trainer.exit_reason is ExitReason.PREEMPTED and trainer.rank == 0:
         notice(
             trainer.logger,
             f"preempted: checkpoint {saved.path.name} saved ({saved.path}); exiting {trainer.exit_code}",

@@ -21,6 +21,7 @@ from trainfsm.hooks.async_save import BackgroundSaves
 from trainfsm.hooks.base import BaseHook
 from trainfsm.hooks.checkpoint_restore import model_shapes, open_store, restore
 from trainfsm.hooks.checkpoint_save import Saver, SaveResult, log_saved, saves_sharded
+from trainfsm.machine import ExitReason
 from trainfsm.preemption import DEFAULT_EXIT_SIGNALS, exit_policy
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class CheckpointingHook(BaseHook):
         self.saves_sharded = False  # decided in RESTORE, from the model and the trainer's options
         self.store: CheckpointStore | None = None
         self.loaded_from: Path | None = None
-        self._on_disk: int | None = None  # the step last saved or loaded: never written twice
+        self._step_in_store: int | None = None  # the step last saved or loaded: never written twice
         self._saver: Saver | None = None  # made in RESTORE, with the store
         self._background: BackgroundSaves[SaveResult] = BackgroundSaves()
         self.checksum = check_checksum("CheckpointingHook", checksum)
@@ -127,7 +128,7 @@ class CheckpointingHook(BaseHook):
         loaded = restore(trainer, store, self.load, self.data_resume, current)
         if loaded is not None:
             self.loaded_from = loaded
-            self._on_disk = trainer.step
+            self._step_in_store = trainer.step
 
     # ------------------------------------------------------------------ CHECKPOINT
     def wants_checkpoint(self, trainer: BaseTrainer) -> bool:
@@ -142,11 +143,11 @@ class CheckpointingHook(BaseHook):
         return step in self.keep_steps or (self.keep_interval > 0 and step % self.keep_interval == 0)
 
     def on_enter_checkpoint(self, trainer: BaseTrainer) -> None:
-        self._settle(trainer, wait=True)  # at most one save in flight
-        if trainer.step == self._on_disk:
+        self._log_finished_save(trainer, wait=True)  # at most one save in flight
+        if trainer.step == self._step_in_store:
             # Only ``exhausted`` (max_epochs) comes here for a step already saved or loaded.
             return
-        self._on_disk = trainer.step
+        self._step_in_store = trainer.step
         if self._saver is None:
             raise RuntimeError("CheckpointingHook saves in CHECKPOINT only after RESTORE opened its store")
         self._saver.save(trainer, keep=self._kept(trainer.step), sharded=self.saves_sharded)
@@ -158,9 +159,9 @@ class CheckpointingHook(BaseHook):
 
     def on_before_step(self, trainer: BaseTrainer) -> None:
         if self._background.in_flight:
-            self._settle(trainer, wait=False)
+            self._log_finished_save(trainer, wait=False)
 
-    def _settle(self, trainer: BaseTrainer, wait: bool) -> None:
+    def _log_finished_save(self, trainer: BaseTrainer, wait: bool) -> None:
         """Log a finished asynchronous save; with ``wait``, wait for it; raise for a failed one
         (see ``BackgroundSaves.settle``)."""
         settled = self._background.settle(trainer, wait)
@@ -172,12 +173,15 @@ class CheckpointingHook(BaseHook):
     def on_after_train(self, trainer: BaseTrainer) -> None:
         """EXIT waits until the last save is durable, then releases the I/O threads."""
         try:
-            self._settle(trainer, wait=True)
+            self._log_finished_save(trainer, wait=True)
         finally:
             self._background.close()
             if self.store is not None:
                 self.store.close()
-            if trainer.exit_reason not in ("failed", "interrupted"):  # a failing rank may never arrive
+            if trainer.exit_reason not in (
+                ExitReason.FAILED,
+                ExitReason.INTERRUPTED,
+            ):  # a failing rank may never arrive
                 collectives.barrier()
 
     # ------------------------------------------------------------------ pointers, for other hooks
