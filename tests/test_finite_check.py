@@ -77,3 +77,26 @@ def test_parameters_without_gradients_are_skipped():
     assert check() is False
     params[1].grad[0] = math.nan
     assert check() is True
+
+
+def test_a_step_reads_one_flag_however_many_gradients_are_summed(monkeypatch):
+    params = list(model_with_grads().parameters())
+    check = FiniteCheck(params)
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(self) or item(self))
+    assert check() is False
+    assert len(reads) == 1
+    params[0].grad.view(-1)[0] = math.nan
+    assert check() is True
+    assert len(reads) == 2
+
+
+def test_without_the_fused_kernel_on_cpu_every_gradient_is_summed_and_read(monkeypatch):
+    monkeypatch.setattr("trainfsm.step._fused_check_runs_on_cpu", lambda: False)
+    params = list(model_with_grads().parameters())
+    check = FiniteCheck(params)
+    assert [param for param, _ in check._summed] == params and check._fused == []
+    assert check() is False
+    params[2].grad[0, 0] = math.inf
+    assert check() is True

@@ -57,6 +57,7 @@ class FiniteCheck:
     """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
+        self._sums_join: int | None
         self.sharded = any(local_part(param) is not param for param in params)
         if self.sharded:  # the flag lives where the collective runs: CUDA for nccl, CPU for gloo
             import torch.distributed as dist
@@ -78,6 +79,14 @@ class FiniteCheck:
             (group, torch.zeros(1, device=device), torch.ones(1, device=device))
             for (device, _), group in groups.items()
         ]
+        # The sums are checked by the CPU's fused pass too, so a step reads one flag per device,
+        # not one number per summed gradient. Without the fused kernel on CPU, each sum is read.
+        self._sums_join = None
+        if self._summed and fused_cpu:
+            cpu = [index for index, ((device, _), _) in enumerate(groups.items()) if device.type == "cpu"]
+            if not cpu:
+                self._fused.append(([], torch.zeros(1), torch.ones(1)))
+            self._sums_join = cpu[0] if cpu else len(self._fused) - 1
 
     def _grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         if self.sharded:
@@ -86,22 +95,26 @@ class FiniteCheck:
 
     def __call__(self) -> bool:
         """True when some gradient is non-finite. Reads results on the host: a sync."""
-        total = 0.0
+        sums: list[torch.Tensor] = []
         for param, dtype in self._summed:  # flat, resolved once: this loop is per step
             grad = param.grad
             if grad is not None:
                 if self.sharded:
                     grad = local_part(grad)
-                total += (grad.sum() if dtype is None else grad.sum(dtype=dtype)).item()
-        for params, found, one in self._fused:
+                sums.append(grad.sum() if dtype is None else grad.sum(dtype=dtype))
+        non_finite = False
+        if sums and self._sums_join is None:  # no fused kernel for CPU tensors: read each sum
+            non_finite = not all(math.isfinite(total.item()) for total in sums)
+        for index, (params, found, one) in enumerate(self._fused):
             grads = self._grads(params)
+            if index == self._sums_join:
+                grads += sums
             if grads:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
         for _, found, _ in self._fused:
             if found.item():  # host sync; reset only after it was set, so a clean step skips it
                 found.zero_()
-                total = math.inf
-        non_finite = not math.isfinite(total)
+                non_finite = True
         if self.sharded:
             # Each rank checked only its own shard: a NaN in one rank's shard must reach the
             # others, or that rank retries while they step. One all-reduce (MAX) of one flag.
