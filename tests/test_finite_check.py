@@ -24,7 +24,7 @@ def test_large_cpu_gradients_are_summed_and_small_ones_share_one_fused_pass():
     check = FiniteCheck(params)
     assert [param for param, _ in check._summed] == [params[0]]
     assert params[0].numel() >= CPU_SUM_MIN_ELEMENTS
-    assert [group for group, _, _ in check._fused] == [params[1:]]
+    assert [group for group, *_ in check._fused] == [params[1:]]
 
 
 def test_clean_gradients_pass():
@@ -97,6 +97,7 @@ def test_without_the_fused_kernel_on_cpu_every_gradient_is_summed_and_read(monke
     params = list(model_with_grads().parameters())
     check = FiniteCheck(params)
     assert [param for param, _ in check._summed] == params and check._fused == []
+    assert check._read_each == check._summed
     assert check() is False
     params[2].grad[0, 0] = math.inf
     assert check() is True

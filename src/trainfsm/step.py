@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from operator import attrgetter, is_not
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import nn
@@ -57,7 +59,6 @@ class FiniteCheck:
     """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
-        self._sums_join: int | None
         self.sharded = any(local_part(param) is not param for param in params)
         if self.sharded:  # the flag lives where the collective runs: CUDA for nccl, CPU for gloo
             import torch.distributed as dist
@@ -75,43 +76,44 @@ class FiniteCheck:
                 self._summed.append((param, torch.float32 if low_precision else None))
             else:
                 groups.setdefault((local.device, local.dtype), []).append(param)
-        self._fused = [
-            (group, torch.zeros(1, device=device), torch.ones(1, device=device))
+        fused: list[Pass] = [
+            (group, torch.zeros(1, device=device), torch.ones(1, device=device), [], [])
             for (device, _), group in groups.items()
         ]
         # The sums are checked by the CPU's fused pass too, so a step reads one flag per device,
         # not one number per summed gradient. Without the fused kernel on CPU, each sum is read.
-        self._sums_join = None
+        self._read_each = [] if fused_cpu else self._summed
         if self._summed and fused_cpu:
-            cpu = [index for index, ((device, _), _) in enumerate(groups.items()) if device.type == "cpu"]
+            cpu = [i for i, ((device, _), _) in enumerate(groups.items()) if device.type == "cpu"]
             if not cpu:
-                self._fused.append(([], torch.zeros(1), torch.ones(1)))
-            self._sums_join = cpu[0] if cpu else len(self._fused) - 1
-
-    def _grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        if self.sharded:
-            return [local_part(p.grad) for p in params if p.grad is not None]
-        return [p.grad for p in params if p.grad is not None]
+                fused.append(([], torch.zeros(1), torch.ones(1), [], []))
+            _, _, _, plain, low = fused[cpu[0] if cpu else -1]
+            for param, dtype in self._summed:
+                (plain if dtype is None else low).append(param)
+        # Per pass: (parameters, flag, 1.0, parameters summed in their dtype, in float32).
+        self._fused = fused
 
     def __call__(self) -> bool:
-        """True when some gradient is non-finite. Reads results on the host: a sync."""
-        sums: list[torch.Tensor] = []
-        for param, dtype in self._summed:  # flat, resolved once: this loop is per step
-            grad = param.grad
-            if grad is not None:
-                if self.sharded:
-                    grad = local_part(grad)
-                sums.append(grad.sum() if dtype is None else grad.sum(dtype=dtype))
-        non_finite = False
-        if sums and self._sums_join is None:  # no fused kernel for CPU tensors: read each sum
-            non_finite = not all(math.isfinite(total.item()) for total in sums)
-        for index, (params, found, one) in enumerate(self._fused):
-            grads = self._grads(params)
-            if index == self._sums_join:
-                grads += sums
+        """True when some gradient is non-finite. Reads results on the host: a sync.
+
+        The per-step work is C-level ``map``/``filter`` over lists resolved in ``__init__``: a
+        few Python operations a pass, whatever the number of parameters."""
+        grad_of = _local_grad if self.sharded else _grad
+        non_finite = bool(self._read_each) and not all(
+            math.isfinite((grad.sum(dtype=dtype)).item())
+            for param, dtype in self._read_each
+            if (grad := grad_of(param)) is not None
+        )
+        for params, found, one, plain, low in self._fused:
+            grads = list(filter(_present, map(grad_of, params)))
+            if plain:
+                grads += map(_sum, filter(_present, map(grad_of, plain)))
+            if low:
+                grads += map(_sum_float32, filter(_present, map(grad_of, low)))
             if grads:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-        for _, found, _ in self._fused:
+        for fused in self._fused:  # every pass is launched before the first read
+            found = fused[1]
             if found.item():  # host sync; reset only after it was set, so a clean step skips it
                 found.zero_()
                 non_finite = True
@@ -121,6 +123,19 @@ class FiniteCheck:
             self._flag.fill_(1.0 if non_finite else 0.0)
             non_finite = collectives.any_rank(self._flag)
         return non_finite
+
+
+#: One fused pass: (parameters, flag, 1.0, parameters summed in their dtype, in float32).
+Pass: TypeAlias = tuple[list[nn.Parameter], torch.Tensor, torch.Tensor, list[nn.Parameter], list[nn.Parameter]]
+_grad = attrgetter("grad")
+_present = partial(is_not, None)
+_sum = torch.Tensor.sum
+_sum_float32 = partial(torch.sum, dtype=torch.float32)
+
+
+def _local_grad(param: nn.Parameter) -> torch.Tensor | None:
+    grad = param.grad
+    return None if grad is None else local_part(grad)
 
 
 def _fused_check_runs_on_cpu() -> bool:
