@@ -29,6 +29,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, MutableMapping
+from itertools import pairwise
 from pathlib import Path
 from typing import IO, Any, Final
 
@@ -92,14 +93,16 @@ class _NullSink:
 
 
 class _Run:
-    """Consecutive routine steps first..last of ``micro`` micro-batches, not yet written."""
+    """Consecutive routine steps first..last of ``micro`` micro-batches, not yet written:
+    ``times`` holds the first step's start and every step's end (the ``dt`` are taken when the
+    record is rendered, so a step only appends its end)."""
 
-    __slots__ = ("dt", "first", "last", "micro", "prev")
+    __slots__ = ("first", "last", "micro", "times")
 
     def __init__(self, step: int, micro: int, start: float, end: float) -> None:
         self.first = self.last = step
-        self.micro, self.prev = micro, end
-        self.dt = [round((end - start) * 1e6)]
+        self.micro = micro
+        self.times = [start, end]
 
 
 class EventLog:
@@ -218,8 +221,8 @@ class EventLog:
         if rows and rows[0][2] is _START:
             run = self._run
             if run is not None and run.micro == len(rows) and run.last + 1 == step:
-                run.dt.append(round((now - run.prev) * 1e6))
-                run.last, run.prev = step, now
+                run.times.append(now)
+                run.last = step
             else:
                 if run is not None:
                     self._pending.append(self._render_run(run))
@@ -244,16 +247,17 @@ class EventLog:
             self._step_rows.clear()
 
     def _render_run(self, run: _Run) -> bytes:
+        times = run.times
         return _dumps(
             {
-                "ts": run.prev,
+                "ts": times[-1],
                 "event": "steps",
                 **self._common,
                 "step": run.last,
                 "state": _END[2],
                 "first": run.first,
                 "micro": run.micro,
-                "dt": run.dt,
+                "dt": [round((end - start) * 1e6) for start, end in pairwise(times)],
             }
         )
 

@@ -189,28 +189,64 @@ class CompiledEvent(Event):
             split = len(transition.prepare) + len(transition.before) + len(src.on_exit)
             before = cast(tuple[Callable[[], Any], ...], callbacks[:split])
             after = (announce(self.name, source, dest), *cast(tuple[Callable[[], Any], ...], callbacks[split:]))
-            self._plans[source] = partial(_run_plan, model, machine.model_attribute, dest, before, after)
+            self._plans[source] = _plan(model, machine.model_attribute, dest, before, after)
+        # The model's trigger method (transitions set a partial of ``trigger``) becomes one call
+        # that looks up the plan: the per-step path is this closure and the plan, nothing else.
+        plans, attribute, trigger = self._plans, machine.model_attribute, partial(Event.trigger, self, model)
+
+        def fire(*args: Any, **kwargs: Any) -> bool:
+            plan = plans.get(getattr(model, attribute))
+            if plan is not None and not args and not kwargs:
+                return plan()
+            return bool(trigger(*args, **kwargs))  # an invalid trigger raises transitions' error
+
+        setattr(model, self.name, fire)
 
     def trigger(self, model: Any, *args: Any, **kwargs: Any) -> bool:
         plan = self._plans.get(getattr(model, self.machine.model_attribute))
-        if plan is not None:
+        if plan is not None and not args and not kwargs:
             return plan()
         return bool(super().trigger(model, *args, **kwargs))
 
 
-def _run_plan(
+def _plan(
     model: Any,
     attribute: str,
     dest: str,
     before: tuple[Callable[[], Any], ...],
     after: tuple[Callable[[], Any], ...],
-) -> bool:
-    for callback in before:
-        callback()
-    setattr(model, attribute, dest)
-    for callback in after:
-        callback()
-    return True
+) -> Callable[[], bool]:
+    """One transition's callbacks as one callable; the common shapes (nothing before the state
+    change, one or two callbacks after it: the routine step's rows) without a loop."""
+    if not before and len(after) == 1:
+        (only,) = after
+
+        def one_after() -> bool:
+            setattr(model, attribute, dest)
+            only()
+            return True
+
+        return one_after
+    if not before and len(after) == 2:
+        first, second = after
+
+        def two_after() -> bool:
+            setattr(model, attribute, dest)
+            first()
+            second()
+            return True
+
+        return two_after
+
+    def any_shape() -> bool:
+        for callback in before:
+            callback()
+        setattr(model, attribute, dest)
+        for callback in after:
+            callback()
+        return True
+
+    return any_shape
 
 
 class TrainMachine(Machine):

@@ -54,6 +54,7 @@ class Run:
     step_info_writers: list[Callable[[StepInfo], None]] = field(default_factory=list)
     checkpoint_askers: list[Callable[[], bool]] = field(default_factory=list)
     stop_askers: list[Callable[[], bool]] = field(default_factory=list)
+    step_end_hooks: bool = False  # any of the three lists above is not empty
     # The step in flight (reset as it begins; a retry resets micro, losses and records).
     micro: int = 0
     retries: int = 0
@@ -84,6 +85,7 @@ class Run:
             partial(h.wants_checkpoint, trainer) for h in hooks if overrides(h, "wants_checkpoint")
         ]
         self.stop_askers = [partial(h.wants_stop, trainer) for h in hooks if overrides(h, "wants_stop")]
+        self.step_end_hooks = bool(self.evaluators or self.step_info_writers or self.stop_askers)
         for hook in hooks:
             for kind, target, method in bindings(hook):
                 callback = partial(method, trainer)

@@ -9,9 +9,9 @@ runs is in ``trainfsm.run.Run``; preemption in ``trainfsm.preemption``; the data
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -263,14 +263,13 @@ class BaseTrainer(fsm.Triggers):
 
     def _run_accumulate(self) -> Callable[[], bool]:
         run: Run = self._run  # type: ignore[assignment]
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         batch = self._data.next()
         if batch is EXHAUSTED:
             return self._data_ran_out(run)
-        run.data_times.append(time.perf_counter() - t0)
+        run.data_times.append(perf_counter() - t0)
         last = run.micro + 1 == self.gradient_accumulation_steps
-        stepper: Stepper = run.stepper  # type: ignore[assignment]
-        loss, records = stepper.micro(self.forward, batch, last)
+        loss, records = run.stepper.micro(self.forward, batch, last)  # type: ignore[union-attr]
         if loss is None:  # on this rank; with loss_none_agreement, on any: then every rank skips it
             self.loss_none_skips += 1  # this rank skipped it, whichever rank returned None
             ranks = loss_none_ranks(run.agreement, self.rank, run.warn_loss_none)
@@ -279,12 +278,15 @@ class BaseTrainer(fsm.Triggers):
         run.micro += 1
         run.losses.append(loss)
         run.records.append(records)
-        if not last:
-            return self.micro
+        return self._end_step(run) if last else self.micro
+
+    def _end_step(self, run: Run) -> Callable[[], bool]:
+        """The step's last micro-batch ran: check, step the optimizer, fill ``step_info``, decide."""
+        stepper: Stepper = run.stepper  # type: ignore[assignment]
         finite, grad_norm = stepper.check_and_clip()
-        if not finite and not stepper.scaler_enabled:
-            return self.non_finite
         if not finite:
+            if not stepper.scaler_enabled:
+                return self.non_finite
             scale = self.grad_scaler.get_scale() if self.grad_scaler else None
             self.events.warning("non_finite", what="scaler_skip", retry=0, max=0, scale=scale)
         info = self.step_info
@@ -298,15 +300,17 @@ class BaseTrainer(fsm.Triggers):
         info["loss"] = run.losses
         info["records"] = run.records
         info["data_time"] = run.data_times
-        info["step_time"] = time.perf_counter() - run.step_start
+        info["step_time"] = perf_counter() - run.step_start
         info["non_finite_grad_retry_count"] = info["non_finite_grad_retries"] = run.retries
         # The decision point: evaluations first, then the questions; a signal that arrives during
         # them is read after and honoured at this step (with one rank).
-        for evaluate in run.evaluators:
-            evaluate()
-        for write in run.step_info_writers:  # before any on_after_step reads the step's figures
-            write(info)
-        stop = any(ask() for ask in run.stop_askers) if run.stop_askers else False
+        stop = False
+        if run.step_end_hooks:
+            for evaluate in run.evaluators:
+                evaluate()
+            for write in run.step_info_writers:  # before any on_after_step reads the step's figures
+                write(info)
+            stop = any(ask() for ask in run.stop_askers)
         code = run.preemption.at_step_end(self.step)
         if code is not None:
             self.exit_reason, self.exit_code = ExitReason.PREEMPTED, code
