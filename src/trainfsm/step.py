@@ -287,7 +287,7 @@ def _check_forward_result(out: Any) -> tuple[torch.Tensor | None, Any]:
     """Shapes and types only (no host sync): a wrong return fails here, named, not deep in torch."""
     if type(out) is tuple and len(out) == 2:
         loss, records = out
-        if not isinstance(records, Mapping):
+        if type(records) is not dict and not isinstance(records, Mapping):  # dict: no ABC check
             raise TypeError(
                 f"forward() must return (loss, records) with records a dict of numbers (e.g. "
                 f"{{'accuracy': acc}}, or {{}}); got records of type {type(records).__name__}."

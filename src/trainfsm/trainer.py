@@ -28,10 +28,7 @@ from trainfsm.preemption import ExitPolicy, Preemption, exit_policy
 from trainfsm.run import Run, open_trail
 from trainfsm.step import Stepper, retries_used_up
 from trainfsm.step_info import StepInfo
-from trainfsm.torch_workarounds import (
-    import_collectives_before_any_group,
-    warn_if_group_kept_alive,
-)
+from trainfsm.torch_workarounds import import_collectives_before_any_group, warn_if_group_kept_alive
 from trainfsm.utils import is_distributed_wrapper, unwrap
 
 if TYPE_CHECKING:
@@ -384,25 +381,13 @@ class BaseTrainer(fsm.Triggers):
         ``on_state_dict``. The trainer's own: ``step``, ``epoch``, and ``rank_state``, this rank's
         random streams, data position and loss=None skip count (a checkpoint keeps every rank's).
         ``options``: torch's ``StateDictOptions`` for this call, else ``state_dict_options``."""
-        model, optimizer = self._built_model_and_optimizer("state_dict")
-        options = options if options is not None else self.state_dict_options
-        return trainer_state.capture(self, model, optimizer, options, self._data)
+        return trainer_state.capture(self, options, self._data)
 
     def load_state_dict(self, state: dict[str, Any], options: Any = None, data_resume: str = "auto") -> None:
         """The inverse of ``state_dict``. A ``rank_state`` entry (this rank's, or rank 0's on
         another world size) puts the random streams back and has RESTORE position the data
         iterator as ``data_resume`` says (``trainfsm.data_state``; "none": a fresh iterator)."""
-        model, optimizer = self._built_model_and_optimizer("load_state_dict")
-        options = options if options is not None else self.state_dict_options
-        trainer_state.restore(self, model, optimizer, options, self._data, state, data_resume)
-
-    def _built_model_and_optimizer(self, method: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-        if self.model is None or self.optimizer is None:
-            raise RuntimeError(
-                f"{method}() needs the built model and optimizer; they exist once train() has run BUILD "
-                f"(call it from a hook, or after train())."
-            )
-        return self.model, self.optimizer
+        trainer_state.restore(self, options, self._data, state, data_resume)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return unwrap(model)

@@ -20,10 +20,21 @@ if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
 
 
-def capture(
-    trainer: BaseTrainer, model: nn.Module, optimizer: torch.optim.Optimizer, options: Any, data: DataCursor
-) -> dict[str, Any]:
+def built(trainer: BaseTrainer, method: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer ``method`` needs, or an error that says when they exist."""
+    if trainer.model is None or trainer.optimizer is None:
+        raise RuntimeError(
+            f"{method}() needs the built model and optimizer; they exist once train() has run BUILD "
+            f"(call it from a hook, or after train())."
+        )
+    return trainer.model, trainer.optimizer
+
+
+def capture(trainer: BaseTrainer, options: Any, data: DataCursor) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = built(trainer, "state_dict")
+    options = options if options is not None else trainer.state_dict_options
 
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     scheduler, scaler = trainer.lr_scheduler, trainer.grad_scaler
@@ -42,15 +53,9 @@ def capture(
     return state
 
 
-def restore(
-    trainer: BaseTrainer,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    options: Any,
-    data: DataCursor,
-    state: dict[str, Any],
-    data_resume: str,
-) -> None:
+def restore(trainer: BaseTrainer, options: Any, data: DataCursor, state: dict[str, Any], data_resume: str) -> None:
+    model, optimizer = built(trainer, "load_state_dict")
+    options = options if options is not None else trainer.state_dict_options
     # The scheduler before the optimizer: a scheduler's load may write its view of the learning
     # rates into the param groups, and the optimizer's saved groups (lr, initial_lr) must be the
     # last word, or a resumed run trains at the wrong rate.
