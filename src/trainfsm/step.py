@@ -100,7 +100,7 @@ class FiniteCheck:
         few Python operations a pass, whatever the number of parameters."""
         grad_of = _local_grad if self.sharded else _grad
         non_finite = bool(self._read_each) and not all(
-            math.isfinite((grad.sum(dtype=dtype)).item())
+            math.isfinite(grad.sum(dtype=dtype).item())
             for param, dtype in self._read_each
             if (grad := grad_of(param)) is not None
         )

@@ -178,10 +178,8 @@ class CheckpointingHook(BaseHook):
             self._background.close()
             if self.store is not None:
                 self.store.close()
-            if trainer.exit_reason not in (
-                ExitReason.FAILED,
-                ExitReason.INTERRUPTED,
-            ):  # a failing rank may never arrive
+            # A failing rank may never arrive at the barrier.
+            if trainer.exit_reason not in (ExitReason.FAILED, ExitReason.INTERRUPTED):
                 collectives.barrier()
 
     # ------------------------------------------------------------------ pointers, for other hooks
