@@ -6,11 +6,22 @@ MASTER_PORT) or, under ``srun``, SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCA
 the first host of SLURM_JOB_NODELIST unless MASTER_ADDR is set).
 
 Under torchrun's elastic restarts (``--max-restarts``) every attempt's workers meet in the same
-launcher store. Its keys outlive the workers that wrote them, so a restarted worker may read the
-previous attempt's addresses (gloo: ``connectFullMesh failed ... Connection refused``; the root
-cause is discussed in pytorch/pytorch#135712) or wait for a peer that is gone. So each attempt
-gets a store of its own: the launcher's, under the prefix ``trainfsm/restart_<N>/`` where N is
-``TORCHELASTIC_RESTART_COUNT``, the same on every worker of one attempt and new for each.
+launcher store, and its keys outlive the workers that wrote them: a restarted worker that read the
+previous attempt's keys would dial the dead workers' addresses (gloo: ``connectFullMesh failed ...
+Connection refused``; pytorch/pytorch#135712) or wait for a peer that is gone. So each restarted
+group needs keys of its own, and every node must agree which.
+
+``TORCHELASTIC_RESTART_COUNT`` cannot name them across nodes: each agent counts only its own
+workers' failures. When a worker dies on node A, A's agent counts a restart; B's agent sees a node
+waiting, stops its healthy workers and restarts them without counting one (torch decrements its
+remaining restarts only on a failure). A's new workers say 1, B's say 0, and a B worker that
+trusted its 0 would read the first attempt's keys. Only the store is common to every node, so the
+group's number comes from the store (``_join_group``): rank 0 of each new group takes a fresh
+number with an atomic ``add``; the other ranks learn it through keys that no earlier group can
+have written (their own random nonce, or the "next" pointer rank 0 leaves on the previous number).
+This relies on one thing torchrun guarantees: a new round's workers start only after every agent
+has stopped the previous round's, so no old worker writes while a new group forms. The group's
+keys then live under ``trainfsm/group_<N>/`` and old keys are never read.
 """
 
 from __future__ import annotations
@@ -20,9 +31,11 @@ import os
 import re
 import shutil
 import subprocess
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import torch
 import torch.distributed as dist
@@ -92,14 +105,76 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
             timeout=timeout,
         )
         return layout
+    store = _launcher_store(layout, timeout)
+    global _group  # a fact about this process, which the trail's run_start reports
+    _group = _join_group(store, layout.rank, layout.world_size, timeout)
     dist.init_process_group(
         backend,
-        store=PrefixStore(f"trainfsm/restart_{restart}/", _launcher_store(layout, timeout)),
+        store=PrefixStore(f"{_GROUPS}_{_group}/", store),
         rank=layout.rank,
         world_size=layout.world_size,
         timeout=timeout,
     )
     return layout
+
+
+#: The launcher store's counter of groups formed under one torchrun launch (see the module's docstring).
+_GROUPS: Final = "trainfsm/group"
+#: The number of the group this process joined under torchrun (1 for the first), once it did.
+_group: int | None = None
+
+
+def elastic_group() -> int | None:
+    """The number of the torchrun group this process joined through ``init_distributed`` (1 for
+    the first group of a launch, N+1 after N restarts of the group), the same on every node; None
+    before that or outside torchrun."""
+    return _group
+
+
+def _join_group(store: Any, rank: int, world: int, timeout: timedelta) -> int:
+    """Agree with every rank of this group on a number no earlier group of the store has used.
+
+    Rank 0 takes the next number ``N`` (an atomic ``add``) and leaves ``group/N-1/next = N`` for
+    ranks that read the counter before it moved. Every other rank registers a fresh random nonce
+    under the number it read and waits until rank 0 acknowledges exactly that nonce (a key nobody
+    wrote before), or until the number it read points on to the next one, where it registers again.
+    Keys of earlier groups may still be there, but none of them can ever be mistaken for this
+    group's: the acknowledgement names the nonce and the "next" pointer names the new number.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        number = int(store.add(_GROUPS, 1))
+        store.set(f"{_GROUPS}/{number - 1}/next", str(number))
+        joined = [f"{_GROUPS}/{number}/rank{r}" for r in range(1, world)]
+        if joined:
+            store.wait(joined, timeout)
+        for key in joined:
+            store.set(f"{_GROUPS}/{number}/ack/{store.get(key).decode()}", "1")
+        return number
+    nonce = uuid.uuid4().hex
+    number = int(store.add(_GROUPS, 0))  # this group's number, or the previous one's if rank 0 is late
+    while True:
+        store.set(f"{_GROUPS}/{number}/rank{rank}", nonce)
+        onward = f"{_GROUPS}/{number}/next"
+        if _acknowledged(store, f"{_GROUPS}/{number}/ack/{nonce}", onward, deadline):
+            return number
+        number = int(store.get(onward))
+
+
+def _acknowledged(store: Any, ack: str, onward: str, deadline: float) -> bool:
+    """True once ``ack`` is set, False once ``onward`` is (rank 0 took a newer number)."""
+    pause = 0.005
+    while not store.check([ack]):
+        if store.check([onward]):
+            return False
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"waited for rank 0 to form torchrun's new group ({onward.rsplit('/', 2)[0]}) in the launcher "
+                "store until init_distributed's timeout: is rank 0 running?"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)  # startup only: a few polls, gentle on a store that many ranks share
+    return True
 
 
 def elastic_restart(environ: dict[str, str] | None = None) -> int | None:

@@ -185,7 +185,7 @@ def exit_status(exc: BaseException) -> tuple[ExitReason, int]:
 
 def _torchelastic() -> dict[str, Any] | None:
     """torchrun's attempt: which restart this is (0 for the first launch) of how many allowed."""
-    from trainfsm.distributed import elastic_restart
+    from trainfsm.distributed import elastic_group, elastic_restart
 
     restart = elastic_restart()
     if restart is None:
@@ -193,9 +193,10 @@ def _torchelastic() -> dict[str, Any] | None:
     env = os.environ
     maximum = env.get("TORCHELASTIC_MAX_RESTARTS", "")
     return {
-        "restart_count": restart,
+        "restart_count": restart,  # this node's agent's count: agents on other nodes may count fewer
         "max_restarts": int(maximum) if maximum.isdigit() else None,
         "run_id": env.get("TORCHELASTIC_RUN_ID"),
+        "group": elastic_group(),  # None when the script set up its group without init_distributed
     }
 
 

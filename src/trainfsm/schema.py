@@ -83,7 +83,8 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "`versions`, `world_size`, `max_steps`, `config`, `slurm` (job id, array task, restart count, node, "
         "rank; or null), `signals` (`ignored`, `blocked`, `pending`: of SIGHUP, SIGINT, SIGTERM, SIGUSR1, "
         "SIGUSR2 and the trainer's own exit signals, when `train()` began), `torchelastic` (torchrun's "
-        "`restart_count`, `max_restarts`, `run_id`; or null)",
+        "`restart_count` as this node's agent counts it, `max_restarts`, `run_id`, and `group`: the number of "
+        "the group `init_distributed` joined, the same on every node, 1 for the first; or null)",
         "`train()` starts",
     ),
     "transition": (

@@ -32,7 +32,8 @@ added)::
         "requeue": {"ok": bool, "command": str|null, "message": str} | null,
         "exit": {"reason": str, "code": int} | null,   # null: no exit event on the first rank
         "ended": str,                         # how each rank ended: "rank 0 killed (...), rank 1 failed (...)"
-        "torchelastic": {"restart_count": int, "max_restarts": int|null, "run_id": str|null} | null,
+        "torchelastic": {"restart_count": int, "max_restarts": int|null, "run_id": str|null,
+                         "group": int|null} | null,
         "killed": bool,                       # some rank has no exit event
         "killed_at": [{"rank": int, "file": str, "line": int, "state": str, "step": int,
                        "ts": float, "since_previous": float | null}],   # each such rank's last record
@@ -256,6 +257,16 @@ def verdict(report: AuditReport) -> list[str]:
     return [trail, run]
 
 
+def group_restart(elastic: dict[str, Any] | None) -> int | None:
+    """Which restart of torchrun's group an attempt is (0: the launch), as every node agrees: from
+    the group number ``init_distributed`` joined; without it, the reporting agent's own count (an
+    agent whose workers did not fail counts no restart)."""
+    if not elastic:
+        return None
+    group = elastic.get("group")
+    return group - 1 if isinstance(group, int) else elastic.get("restart_count")
+
+
 def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = None) -> list[str]:
     data = attempt.as_dict()
     first = attempt.first
@@ -264,13 +275,11 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
     ranks = data["ranks"]
     rank_text = ranks_text(ranks)
     lines = [f"attempt {attempt.attempt}: {how[first.start]}, {rank_text}, {seconds:.2f} s"]
-    if previous is not None and first.torchelastic and first.torchelastic.get("restart_count"):
-        elastic = first.torchelastic
-        limit = f" of at most {elastic['max_restarts']}" if elastic.get("max_restarts") is not None else ""
-        lines.append(
-            f"  torchrun restart {elastic['restart_count']}{limit}, after attempt {previous.attempt} ended: "
-            f"{previous.ended()}"
-        )
+    restart = group_restart(first.torchelastic)
+    if previous is not None and restart:
+        maximum = first.torchelastic.get("max_restarts") if first.torchelastic else None
+        limit = f" of at most {maximum}" if maximum is not None else ""
+        lines.append(f"  torchrun restart {restart}{limit}, after attempt {previous.attempt} ended: {previous.ended()}")
     steps = f"steps {first.first_step}-{first.last_step}" if first.steps_done else "no steps"
     retries = ", ".join(f"step {x['step']} (#{x['retry']})" for x in first.retries) or "none"
     lines.append(

@@ -21,7 +21,7 @@ from typing import Any, Final
 
 from trainfsm.machine import ExitReason
 from trainfsm.tools.audit import audit_trail
-from trainfsm.tools.report import AttemptReport, AuditReport, since_text, verdict
+from trainfsm.tools.report import AttemptReport, AuditReport, group_restart, since_text, verdict
 from trainfsm.trail import Record, open_trail
 
 DEFAULT_EVENTS: Final = 10
@@ -130,11 +130,15 @@ def _cause(report: TraceReport, attempt: AttemptReport) -> str | None:
         return None
     tails = [report.tails[(attempt.attempt, rank.rank)] for rank in attempt.ranks]
     own = [exc for tail in tails if not tail.collective_failed for exc in tail.exceptions[:1]]
-    if not own:
-        return None
-    first = min(own, key=lambda record: record.ts)
     followers = sorted(rank.rank for rank, tail in zip(attempt.ranks, tails, strict=True) if tail.collective_failed)
     after = f"; rank(s) {', '.join(map(str, followers))} then failed in a collective" if followers else ""
+    if not own:  # nobody raised first: a rank that vanished (SIGKILL, OOM killer, a lost node) is the cause
+        killed = [k for k in attempt.killed_at() if k["rank"] not in followers]
+        if not killed:
+            return None
+        where = "; ".join(f"rank {k['rank']} in {k['state']} at step {k['step']}" for k in killed)
+        return f"  cause: killed: {where} (its trail just ends, no exit event){after}"
+    first = min(own, key=lambda record: record.ts)
     data = first.data
     return (
         f"  cause: rank {first.rank} at step {first.step} ({first.state}): {data.get('type')}: "
@@ -176,7 +180,7 @@ def _next_attempt(report: AuditReport, number: int) -> str:
         ending = f"it ended {exit['reason']} at step {first.end_step}"
     else:
         ending = f"it was killed too (no exit event), last seen at step {first.end_step}"
-    elastic = first.torchelastic
-    if elastic and elastic.get("restart_count"):
-        what = f"(torchrun restart {elastic['restart_count']}) {what}"
+    restart = group_restart(first.torchelastic)
+    if restart:
+        what = f"(torchrun restart {restart}) {what}"
     return f"next: attempt {following.attempt} {what}{skipped}; {ending}"
