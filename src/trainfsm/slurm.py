@@ -100,7 +100,11 @@ def requeue(job: SlurmJob, timeout: float = 30.0) -> RequeueResult:
             "make scontrol available to the job.",
         )
     try:
-        done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=timeout)
+        # A session of its own: once the job is requeued, SLURM's SIGTERM reaches every process of this
+        # task's group, and scontrol, still exiting, would die of it and report a requeue that worked as failed.
+        done = subprocess.run(
+            [scontrol, "requeue", job_id], capture_output=True, text=True, timeout=timeout, start_new_session=True
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return RequeueResult(command, False, f"{type(exc).__name__}: {exc}")
     message = (done.stdout + done.stderr).strip()
