@@ -30,6 +30,7 @@ passed on when it does not name them: ``trainfsm.signals``.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from trainfsm.signals import (
     on_launcher_death,
     restore_launcher_death,
     state_at_start,
+    stop_launcher_at_exit,
 )
 
 if TYPE_CHECKING:
@@ -243,8 +245,22 @@ class Preemption:
         """Entering EXIT's own work, after the hooks' (the checkpoint is durable by then)."""
         self._decide_held()  # BUILD failed before the policy was known: held signals are passed on
         self.report()
+        if preempted and not self.watcher.pending:  # another rank's signal: this node's agent got none
+            agent = stop_launcher_at_exit(signal.SIGTERM)
+            if agent is not None:
+                self.log.warning("launcher_stop", pid=agent, signal="SIGTERM", at="process exit")
         if preempted and self.rank == 0:
             self._requeue()
+
+    def stopped_for_restart(self) -> str | None:
+        """A collective failed: if an exit signal had reached this rank under torchrun, the name of
+        that signal. Its agent sends SIGTERM to healthy workers when it restarts the group after a
+        peer died; the group cannot agree on a step any more, so this rank leaves without a
+        checkpoint and the restarted group resumes from the last complete one."""
+        pending = self.watcher.pending
+        if not pending or "TORCHELASTIC_RUN_ID" not in os.environ:
+            return None
+        return signal.Signals(pending).name
 
     def _requeue(self) -> None:
         policy, job = self.policy, self.job

@@ -109,6 +109,9 @@ class Run:
         failed = failed_collective(exc, trainer.rank, trainer.world_size, trainer.step, trainer.state, self.logs)
         if failed is not None:  # most likely another rank's failure: the note says where to look
             trainer.events.error("collective_failed", **failed)
+            stopped_by = self.preemption.stopped_for_restart()
+            if stopped_by is not None:
+                trainer.events.warning("restart_stop", signal=stopped_by)
         self.event_log.exception(exc)
         if trainer.state == fsm.EXIT:
             return

@@ -54,6 +54,8 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
     "signal_agreed": ("signal", "agreed_step"),
     "signal_passed_on": ("signal", "received_at", "at_state", "disposition"),
+    "launcher_stop": ("pid", "signal", "at"),
+    "restart_stop": ("signal",),
     "requeue": ("command", "ok", "message"),
     "wandb_run": ("wandb_id", "continued", "mode"),
     "early_stop": ("monitor", "best", "best_step", "bad_evaluations", "patience"),
@@ -154,6 +156,18 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "`signal`, `received_at`, `at_state`, `disposition` (`default`, `ignored`, `handler`)",
         "a signal held in BUILD that the exit policy does not name: it gets its old disposition back and is "
         "raised again (`default` may end the process right after this event)",
+    ),
+    "launcher_stop": (
+        "`pid`, `signal`, `at`",
+        "EXIT, preempted by a signal that reached another rank but not this one, under torchrun: this rank "
+        "sends its agent (`pid`) `signal` as its process ends (`at`), so that the agent, which received no "
+        "signal, stops too instead of restarting its workers into a group that cannot form again",
+    ),
+    "restart_stop": (
+        "`signal`",
+        "under torchrun, a collective failed while `signal` was pending on this rank: the agent stopped this "
+        "healthy worker to restart the group after a peer died (not a preemption: no checkpoint; the "
+        "restarted group resumes from the last complete one); follows `collective_failed`",
     ),
     "requeue": (
         "`command`, `ok`, `message`",

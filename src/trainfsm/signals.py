@@ -20,6 +20,7 @@ handler, as it would have without trainfsm, only later. SIGINT is held only when
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -27,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any, Final
 
@@ -71,6 +73,36 @@ def restore_launcher_death(previous: int | None) -> None:
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, previous, 0, 0, 0)
+
+
+def stop_launcher_at_exit(sig: signal.Signals) -> int | None:
+    """Under torchrun, send ``sig`` to this worker's agent as this process ends; returns the
+    agent's pid, or None where there is no agent to stop (outside torchrun, or a parent that is
+    not the agent: a wrapper script started by ``torchrun --no-python``).
+
+    Why: a rank that leaves for a preemption signalled to another node exits with the preemption
+    code, and its own agent, which received no signal, counts that as a failure and restarts it
+    into a group the preempted node never rejoins: it then waits in the rendezvous for its join
+    timeout (10 minutes by default). Stopped with the signal it would have received from the
+    scheduler, the agent ends as the preempted node's does. Sent at the very end of the process
+    (``atexit``), after the user's code after ``train()`` has run, because the agent answers by
+    sending SIGTERM to its workers.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    agent = os.getppid()
+    try:  # the agent itself runs without torchrun's worker variables; a wrapper of ours has them
+        if b"TORCHELASTIC_RUN_ID=" in Path(f"/proc/{agent}/environ").read_bytes():
+            return None
+    except OSError:
+        return None
+    atexit.register(_signal_launcher, agent, int(sig))
+    return agent
+
+
+def _signal_launcher(pid: int, sig: int) -> None:
+    if os.getppid() == pid:  # still our agent (not a reused pid after its death)
+        os.kill(pid, sig)
 
 
 @dataclass(slots=True)
