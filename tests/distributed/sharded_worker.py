@@ -14,12 +14,17 @@ to ``DIR/SCENARIO.rank{R}.pt`` and its runs' workspaces (checkpoints, audit trai
 - ``kill`` (2 ranks): sharded saves at steps 2 and 4; ``--action die_rankR`` kills rank R with
   ``os._exit`` in the middle of the step-4 save, after the shards are written, before the manifest
   (``die_rankR_async``: the same with ``async_save``, so on the writer thread).
+
+After the group is destroyed, each rank drops it from the device meshes that FSDP2 left behind
+(``trainfsm.torch_workarounds.release_destroyed_groups``; ``--keep-groups`` skips that call, to
+show the group outliving its destruction) and prints ``gloo threads after cleanup: N`` on stderr.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,7 @@ import torch
 
 from tests.distributed.worker import Scenario, _params, ddp, fsdp_mlp, make_trainer, mlp, parser, serve
 from trainfsm import BaseHook, CheckpointingHook
+from trainfsm.torch_workarounds import release_destroyed_groups
 
 
 class Snapshot(BaseHook):
@@ -161,7 +167,15 @@ SCENARIOS: dict[str, Scenario] = {
 
 
 def main() -> None:
-    serve(SCENARIOS, parser(__doc__).parse_args(), "sharded_worker.py")
+    arguments = parser(__doc__)
+    arguments.add_argument("--keep-groups", action="store_true", help="leave destroyed groups in the device meshes")
+    args = arguments.parse_args()
+    try:
+        serve(SCENARIOS, args, "sharded_worker.py")  # ends with cleanup_distributed()
+    finally:
+        if not args.keep_groups:
+            release_destroyed_groups()
+        print(f"gloo threads after cleanup: {gloo_threads()}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
