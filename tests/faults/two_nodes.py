@@ -59,6 +59,9 @@ PACES: dict[str, tuple[int, int, float]] = {"fast": (40, 10, 0.03), "slow": (8, 
 GROUP_TIMEOUT, JOIN_TIMEOUT = 30, 30
 #: How long after the fault a trial may take beyond the run's own remaining time.
 GRACE = 60.0
+#: How long both agents may take to end after one of them was signalled: the step, the agreement,
+#: one save and the exit (shorter than JOIN_TIMEOUT: no agent may sit out its rendezvous timeout).
+SIGNAL_GRACE = 20.0
 
 
 @dataclass
@@ -284,11 +287,13 @@ def signal_trial(
         time.sleep(rng.uniform(0.0, 0.6 * duration))
         signalled_at = time.monotonic()
         agents.procs[node].send_signal(sig)
-        codes = agents.wait(signalled_at + GRACE)
+        codes = agents.wait(signalled_at + SIGNAL_GRACE)
     finally:
         agents.reap()
     if None in codes:
-        return f"an agent still ran {GRACE:.0f} s after {sig.name} reached agent {node}: {codes}\n{agents.output()}"
+        return (
+            f"an agent still ran {SIGNAL_GRACE:.0f} s after {sig.name} reached agent {node}: {codes}\n{agents.output()}"
+        )
     agreed, exits = set(), set()
     for r in range(2 * nproc):
         mine = last_attempt(agents.workspace, r)
