@@ -56,12 +56,12 @@ FORWARDED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 PACES: dict[str, tuple[int, int, float]] = {"fast": (40, 10, 0.03), "slow": (8, 2, 2.5)}
 #: The workers' process-group timeout (``examples/ddp.py --timeout``) and the agents' rendezvous
 #: join timeout: a lost node is given up on after these.
-GROUP_TIMEOUT, JOIN_TIMEOUT = 30, 30
+GROUP_TIMEOUT, JOIN_TIMEOUT = 30, 25
 #: How long after the fault a trial may take beyond the run's own remaining time.
 GRACE = 60.0
 #: How long both agents may take to end after one of them was signalled: the step, the agreement,
 #: one save and the exit (shorter than JOIN_TIMEOUT: no agent may sit out its rendezvous timeout).
-SIGNAL_GRACE = 20.0
+SIGNAL_GRACE = 15.0
 
 
 @dataclass
