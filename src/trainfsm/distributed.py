@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from trainfsm.torch_workarounds import import_collectives_before_any_group
+from trainfsm.torch_workarounds import import_collectives_before_any_group, release_destroyed_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,10 +205,14 @@ def cleanup_distributed() -> None:
     collected during interpreter shutdown, gloo's threads end there and may abort the process
     (exit -6 after a clean run). So drop your references to the trainer and the wrapped model
     before calling this; the ``gc.collect()`` here frees what only reference cycles still hold.
+    After FSDP2 (``fully_shard``) torch's device meshes still hold the destroyed group, and DTensor's
+    sharding cache holds the meshes until interpreter shutdown: ``release_destroyed_groups`` drops
+    it from them (see ``trainfsm.torch_workarounds``), so gloo's threads end here too.
     """
     if dist.is_available() and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
+        release_destroyed_groups()
 
 
 STRATEGIES = ("none", "ddp", "fsdp")

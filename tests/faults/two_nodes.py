@@ -232,6 +232,7 @@ def kill_trial(
     agents = launch(directory / "workspace", directory, pace, **kw)
     try:
         training(agents, 2 * nproc)
+        started = time.monotonic()
         time.sleep(rng.uniform(0.0, 0.8 * duration))
         node = index % 2
         pids = agents.workers(node)
@@ -242,6 +243,8 @@ def kill_trial(
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         codes = agents.wait(killed_at + duration + GRACE)
+        # What the kill cost: the time to the end, less what the run had left to train then.
+        LAST.update(killed_rank=rank, beyond=time.monotonic() - killed_at - (duration - (killed_at - started)))
     finally:
         agents.reap()
     if codes != [0, 0]:
@@ -360,6 +363,8 @@ def lose_trial(
 
 
 TRIALS = {"kill": kill_trial, "signal": signal_trial, "lose": lose_trial}
+#: What the last trial measured, for its line: the killed rank, the seconds beyond the run's own.
+LAST: dict[str, Any] = {}
 
 
 def run_trials(
@@ -380,6 +385,7 @@ def run_trials(
         expected, duration = reference(Path(tmp) / "reference", pace, nproc)
         for index in range(trials):
             started = time.monotonic()
+            LAST.clear()
             problem = TRIALS[fault](
                 Path(tmp) / f"trial{index}", expected, duration, pace, rng, index, nproc=nproc, nnodes=nnodes
             )
@@ -388,6 +394,8 @@ def run_trials(
             line = f"trial {index} [{fault}, {pace}, nnodes {nnodes}, {nproc}/node]: " + (
                 f"passed in {time.monotonic() - started:.1f} s" if not problem else "FAILED: " + problem
             )
+            if "killed_rank" in LAST:
+                line += f" (rank {LAST['killed_rank']} killed; {LAST['beyond']:.1f} s beyond the run's own time)"
             lines.append(line)
             if verbose:
                 print(line, flush=True)
