@@ -204,6 +204,16 @@ def same(final: dict[str, Any], expected: dict[str, Any]) -> bool:
     return final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
 
 
+def close(final: dict[str, Any], expected: dict[str, Any]) -> bool:
+    """Equal but for float rounding: with more than two ranks a resumed DDP run differs from an
+    uninterrupted one in the last bit (on one node as on two; see docs/guides/distributed.md)."""
+    import torch
+
+    return final.keys() == expected.keys() and all(
+        torch.allclose(final[k], expected[k], rtol=0, atol=1e-6) for k in final
+    )
+
+
 def reference(directory: Path, pace: str, nproc: int) -> tuple[dict[str, Any], float]:
     """An uninterrupted two-node run: its final parameters and its training time."""
     import torch
@@ -249,8 +259,10 @@ def kill_trial(
         agents.reap()
     if codes != [0, 0]:
         return f"agents exited {codes} (rank {rank} killed):\n{agents.output()}"
-    if not same(torch.load(agents.workspace / "final.pt"), expected):
+    final = torch.load(agents.workspace / "final.pt")
+    if not same(final, expected) and not (nproc > 1 and close(final, expected)):
         return f"final parameters differ from the uninterrupted run (rank {rank} killed)"
+    LAST.update(exact=same(final, expected))
     for r in range(2 * nproc):
         starts = [e for e in events(agents.workspace, r) if e["event"] == "run_start"]
         groups = [(e["torchelastic"] or {}).get("group") for e in starts]
@@ -396,6 +408,8 @@ def run_trials(
             )
             if "killed_rank" in LAST:
                 line += f" (rank {LAST['killed_rank']} killed; {LAST['beyond']:.1f} s beyond the run's own time)"
+            if LAST.get("exact") is False:
+                line += " (equal to the last bit: no; to 1e-6: yes)"
             lines.append(line)
             if verbose:
                 print(line, flush=True)
