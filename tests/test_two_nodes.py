@@ -192,7 +192,8 @@ def test_a_worker_killed_on_either_node_restarts_both_and_the_run_completes_bit_
 def test_with_two_workers_per_node_a_killed_worker_restarts_all_four_ranks_into_one_group(tmp_path: Path) -> None:
     """Four ranks, two per agent: the restart forms one group of four whatever each agent counted.
     The parameters match an uninterrupted run to float rounding only: with more than two ranks a
-    resumed DDP run differs in the last bit, on one node as on two (docs/guides/distributed.md)."""
+    resumed DDP run differs in the last bit, on one node as on two, because DDP rebuilds its
+    buckets after its first step (docs/guides/distributed.md)."""
     expected, duration = two_nodes.reference(tmp_path / "reference", "fast", 2)
     problem = two_nodes.kill_trial(tmp_path / "trial", expected, duration, "fast", random.Random(1), 1, nproc=2)
     assert problem == ""

@@ -206,7 +206,8 @@ def same(final: dict[str, Any], expected: dict[str, Any]) -> bool:
 
 def close(final: dict[str, Any], expected: dict[str, Any]) -> bool:
     """Equal but for float rounding: with more than two ranks a resumed DDP run differs from an
-    uninterrupted one in the last bit (on one node as on two; see docs/guides/distributed.md)."""
+    uninterrupted one in the last bit, on one node as on two (DDP's bucket rebuild: see
+    docs/guides/distributed.md)."""
     import torch
 
     return final.keys() == expected.keys() and all(
