@@ -248,7 +248,7 @@ def test_a_survivor_stopped_by_its_agent_for_a_restart_records_a_restart_stop_no
     agents = two_nodes.launch(tmp_path / "ws", tmp_path, "slow")
     try:
         two_nodes.training(agents, 2)
-        time.sleep(duration / 4 + 0.5)  # well inside a 2.5 s step
+        time.sleep(0.2)  # early in the first 2.5 s step: its agent stops it long before the step ends
         (victim,) = agents.workers(1)
         os.kill(victim, signal.SIGKILL)
         codes = agents.wait(time.monotonic() + duration + 60)

@@ -264,6 +264,8 @@ def kill_trial(
     if not same(final, expected) and not (nproc > 1 and close(final, expected)):
         return f"final parameters differ from the uninterrupted run (rank {rank} killed)"
     LAST.update(exact=same(final, expected))
+    stopped = [r for r in range(2 * nproc) if any(e["event"] == "restart_stop" for e in events(agents.workspace, r))]
+    LAST.update(restart_stop=stopped)
     for r in range(2 * nproc):
         starts = [e for e in events(agents.workspace, r) if e["event"] == "run_start"]
         groups = [(e["torchelastic"] or {}).get("group") for e in starts]
@@ -409,6 +411,8 @@ def run_trials(
             )
             if "killed_rank" in LAST:
                 line += f" (rank {LAST['killed_rank']} killed; {LAST['beyond']:.1f} s beyond the run's own time)"
+            if LAST.get("restart_stop"):
+                line += f" (stopped by its agent for the restart: rank {LAST['restart_stop']})"
             if LAST.get("exact") is False:
                 line += " (equal to the last bit: no; to 1e-6: yes)"
             lines.append(line)
