@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.launch import ROOT, events, free_port
+from tests.distributed.launch import ROOT, alive, events, free_port
 from tests.faults import elastic_restart
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun and prctl: Linux")
@@ -40,14 +40,6 @@ def torchrun(workspace: Path, log: Path, *launcher_args: str) -> subprocess.Pope
         return subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def started_training(workspace: Path, process: subprocess.Popen[bytes], log: Path) -> list[int]:

@@ -174,6 +174,15 @@ def run_command(argv: Sequence[str], timeout: float, env: Mapping[str, str] | No
             os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived their launcher, if any
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 # ---------------------------------------------------------------- audit trails
 def events(workspace: Path, rank: int) -> list[dict[str, Any]]:
     """Rank ``rank``'s trail; a line cut off by a kill is skipped."""

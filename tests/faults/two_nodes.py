@@ -47,7 +47,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.distributed.launch import ROOT, events, free_port
+from tests.distributed.launch import ROOT, alive, events, free_port
+from tests.faults.elastic_restart import workers as children
 
 EXAMPLE = ROOT / "examples" / "ddp.py"
 #: torchrun's default forwarded signals plus SIGUSR1 (SLURM's usual warning), as the guide says.
@@ -103,24 +104,6 @@ class Agents:
                 os.kill(pid, signal.SIGKILL)
         for proc in self.procs:
             proc.wait(timeout=30)
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return sorted(set(found))
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def launch(
