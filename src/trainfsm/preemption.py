@@ -30,7 +30,6 @@ passed on when it does not name them: ``trainfsm.signals``.
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from trainfsm.signals import (
     restore_launcher_death,
     state_at_start,
     stop_launcher_at_exit,
+    under_torchrun,
 )
 
 if TYPE_CHECKING:
@@ -258,7 +258,7 @@ class Preemption:
         peer died; the group cannot agree on a step any more, so this rank leaves without a
         checkpoint and the restarted group resumes from the last complete one."""
         pending = self.watcher.pending
-        if not pending or "TORCHELASTIC_RUN_ID" not in os.environ:
+        if not pending or not under_torchrun():
             return None
         return signal.Signals(pending).name
 

@@ -40,6 +40,15 @@ HELD_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGTERM, signal.SIGUSR
 REPORTED_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGHUP, signal.SIGINT, *HELD_SIGNALS)
 
 
+#: Set by torchrun's agent in every worker's environment, and only there.
+_TORCHRUN_WORKER: Final = "TORCHELASTIC_RESTART_COUNT"
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a worker that torchrun's agent started."""
+    return _TORCHRUN_WORKER in os.environ
+
+
 _PR_SET_PDEATHSIG: Final = 1
 _PR_GET_PDEATHSIG: Final = 2
 
@@ -54,7 +63,7 @@ def on_launcher_death(sig: signal.Signals) -> int | None:
     with nobody to checkpoint or requeue. With this they get ``sig`` (SIGTERM: a preemption by
     default) the moment the launcher dies. Linux only (``prctl``); a no-op outside torchrun.
     """
-    if sys.platform != "linux" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+    if sys.platform != "linux" or not under_torchrun():
         return None
     import ctypes
 
@@ -88,11 +97,11 @@ def stop_launcher_at_exit(sig: signal.Signals) -> int | None:
     (``atexit``), after the user's code after ``train()`` has run, because the agent answers by
     sending SIGTERM to its workers.
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not under_torchrun():
         return None
     agent = os.getppid()
     try:  # the agent itself runs without torchrun's worker variables; a wrapper of ours has them
-        if b"TORCHELASTIC_RUN_ID=" in Path(f"/proc/{agent}/environ").read_bytes():
+        if f"{_TORCHRUN_WORKER}=".encode() in Path(f"/proc/{agent}/environ").read_bytes():
             return None
     except OSError:
         return None

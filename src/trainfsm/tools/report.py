@@ -275,9 +275,10 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
     ranks = data["ranks"]
     rank_text = ranks_text(ranks)
     lines = [f"attempt {attempt.attempt}: {how[first.start]}, {rank_text}, {seconds:.2f} s"]
-    restart = group_restart(first.torchelastic)
+    elastic = first.torchelastic or {}
+    restart = group_restart(elastic)
     if previous is not None and restart:
-        maximum = first.torchelastic.get("max_restarts") if first.torchelastic else None
+        maximum = elastic.get("max_restarts")
         limit = f" of at most {maximum}" if maximum is not None else ""
         lines.append(f"  torchrun restart {restart}{limit}, after attempt {previous.attempt} ended: {previous.ended()}")
     steps = f"steps {first.first_step}-{first.last_step}" if first.steps_done else "no steps"
