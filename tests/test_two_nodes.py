@@ -189,6 +189,13 @@ def test_a_worker_killed_on_either_node_restarts_both_and_the_run_completes_bit_
     trial("kill", pace, node, tmp_path, straight)
 
 
+@pytest.mark.parametrize("node", [0, 1], ids=["node 0 (store host)", "node 1"])
+def test_a_worker_killed_while_starting_up_or_in_build_restarts_both_into_one_group_and_completes_bit_exact(
+    node: int, tmp_path: Path, straight: Any
+) -> None:
+    trial("startup", "fast", node, tmp_path, straight)
+
+
 def test_with_two_workers_per_node_a_killed_worker_restarts_all_four_ranks_into_one_group(tmp_path: Path) -> None:
     """Four ranks, two per agent: the restart forms one group of four whatever each agent counted.
     The parameters match an uninterrupted run to float rounding only: with more than two ranks a

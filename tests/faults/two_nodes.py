@@ -11,6 +11,8 @@ workers. Then one of these faults, at a random moment of training:
             a minute of the kill beyond the run's own remaining time, the final parameters equal an
             uninterrupted run's, every rank's trail has the restarted group (``torchelastic.group``
             2), ``trainfsm audit`` shows the restart and ``trainfsm trace`` names the killed rank.
+``startup`` SIGKILL one worker in its first 3 s (imports, the group forming, BUILD, RESTORE);
+            passes like ``kill``, the completed attempt being one restarted group on every rank.
 ``signal``  SIGTERM or SIGUSR1 (alternating) to ONE agent, both started with
             ``--signals-to-handle`` as the docs say. Passes when every rank of both nodes agrees
             on one step, rank 0 saves it once, every worker exits with the preemption code, both
@@ -268,6 +270,41 @@ def kill_trial(
     return ""
 
 
+def startup_trial(
+    directory: Path, expected: dict[str, Any], duration: float, pace: str, rng: random.Random, index: int, **kw: Any
+) -> str:
+    """SIGKILL one worker of node ``index % 2`` at a random moment of its first 3 s: its imports,
+    ``init_distributed`` (the group forming), BUILD or RESTORE, before or after its trail begins."""
+    import torch
+
+    nproc = kw.get("nproc", 1)
+    agents = launch(directory / "workspace", directory, pace, **kw)
+    try:
+        node = index % 2
+        deadline = time.monotonic() + 60
+        while not agents.workers(node):
+            if time.monotonic() > deadline:
+                return f"no worker appeared on node {node}:\n{agents.output()}"
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 3.0))
+        victim = rng.choice(agents.workers(node))
+        reached = [e["event"] for e in last_attempt(agents.workspace, worker_rank(victim))]
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        codes = agents.wait(killed_at + duration + GRACE + 30)
+        LAST.update(killed_in=reached[-1] if reached else "start-up (no trail yet)")
+    finally:
+        agents.reap()
+    if codes != [0, 0]:
+        return f"agents exited {codes} (killed in {LAST.get('killed_in')}):\n{agents.output()}"
+    if not same(torch.load(agents.workspace / "final.pt"), expected):
+        return "final parameters differ from the uninterrupted run"
+    groups = {r: last_attempt(agents.workspace, r)[0]["torchelastic"]["group"] for r in range(2 * nproc)}
+    if len(set(groups.values())) != 1 or groups[0] < 2:
+        return f"the completed attempt's groups per rank: {groups}, expected one restarted group"
+    return ""
+
+
 def worker_rank(pid: int) -> int:
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=", 1)[1])
@@ -360,7 +397,7 @@ def lose_trial(
     return ""
 
 
-TRIALS = {"kill": kill_trial, "signal": signal_trial, "lose": lose_trial}
+TRIALS = {"kill": kill_trial, "startup": startup_trial, "signal": signal_trial, "lose": lose_trial}
 #: What the last trial measured, for its line: the killed rank, the seconds beyond the run's own.
 LAST: dict[str, Any] = {}
 
@@ -394,6 +431,8 @@ def run_trials(
             )
             if "killed_rank" in LAST:
                 line += f" (rank {LAST['killed_rank']} killed; {LAST['beyond']:.1f} s beyond the run's own time)"
+            if "killed_in" in LAST:
+                line += f" (killed in: {LAST['killed_in']})"
             if LAST.get("restart_stop"):
                 line += f" (stopped by its agent for the restart: rank {LAST['restart_stop']})"
             if LAST.get("exact") is False:
