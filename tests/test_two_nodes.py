@@ -190,7 +190,7 @@ def test_a_worker_killed_on_either_node_restarts_both_and_the_run_completes_bit_
 
 
 @pytest.mark.parametrize("node", [0, 1], ids=["node 0 (store host)", "node 1"])
-def test_a_worker_killed_while_starting_up_or_in_build_restarts_both_into_one_group_and_completes_bit_exact(
+def test_a_worker_killed_while_starting_up_or_in_build_restarts_both_into_one_group_and_completes_exactly(
     node: int, tmp_path: Path, straight: Any
 ) -> None:
     trial("startup", "fast", node, tmp_path, straight)

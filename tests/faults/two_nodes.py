@@ -12,7 +12,7 @@ workers. Then one of these faults, at a random moment of training:
             uninterrupted run's, every rank's trail has the restarted group (``torchelastic.group``
             2), ``trainfsm audit`` shows the restart and ``trainfsm trace`` names the killed rank.
 ``startup`` SIGKILL one worker in its first 3 s (imports, the group forming, BUILD, RESTORE);
-            passes like ``kill``, the completed attempt being one restarted group on every rank.
+            passes like ``kill``, the completed attempt being one group on every rank.
 ``signal``  SIGTERM or SIGUSR1 (alternating) to ONE agent, both started with
             ``--signals-to-handle`` as the docs say. Passes when every rank of both nodes agrees
             on one step, rank 0 saves it once, every worker exits with the preemption code, both
@@ -300,8 +300,9 @@ def startup_trial(
     if not same(torch.load(agents.workspace / "final.pt"), expected):
         return "final parameters differ from the uninterrupted run"
     groups = {r: last_attempt(agents.workspace, r)[0]["torchelastic"]["group"] for r in range(2 * nproc)}
-    if len(set(groups.values())) != 1 or groups[0] < 2:
-        return f"the completed attempt's groups per rank: {groups}, expected one restarted group"
+    # One number on every rank; 1 again when the kill came before rank 0 had taken one.
+    if len(set(groups.values())) != 1:
+        return f"the completed attempt's groups per rank: {groups}, expected one group"
     return ""
 
 
