@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from tests.cli_helpers import cli, index_of, preempted, read_lines, run, trail, write_lines
+from tests.cli_helpers import audit_json, cli, index_of, preempted, read_lines, run, trail, write_lines
 
 
 def test_a_failed_run_shows_the_exception_with_its_traceback_and_the_resume(
@@ -66,6 +67,36 @@ def test_a_killed_attempt_is_traced(tmp_path: Path, capsys: pytest.CaptureFixtur
     )
     assert f"the trail ends in CHECKPOINT at step 4 ({path}:{cut})" in out
     assert out.rstrip().splitlines()[-1] == "run problems: killed"
+
+
+@pytest.mark.parametrize(
+    "last",
+    [
+        pytest.param({"event": "steps", "first": 5}, id="compact-steps-5-7"),  # steps 5-7 done, 8 begun
+        pytest.param({"event": "transition", "trigger": "resume", "step": 4}, id="into-STEP-after-checkpoint-4"),
+    ],
+)
+def test_a_trail_that_ends_in_step_gives_one_step_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], last: dict[str, object]
+) -> None:
+    # Both records put the trainer in STEP one step further than their own ``step`` field says: it
+    # counts a step on entering STEP. Every line of trace (and audit) names the step being run.
+    run(tmp_path / "real", steps=8, interval=4)
+    events = read_lines(trail(tmp_path / "real"))
+    cut = index_of(events, **last) + 1
+    running = events[cut - 1]["step"] + 1
+    path = write_lines(tmp_path / "events.rank0.jsonl", events[:cut])
+    code, out, _ = cli(capsys, "trace", path)
+    assert code == 1
+    where = f"rank 0 at {path}:{cut}, STEP running step {running}, "
+    assert out.startswith(f"attempt 0: killed at its last record ({where}")
+    assert f"  rank 0: the trail ends in STEP running step {running} ({path}:{cut})\n" in out
+    summary = [line for line in out.splitlines() if not line.startswith("      :")]  # not the events' own fields
+    assert {int(n) for line in summary for n in re.findall(r"\bstep (\d+)", line)} == {running}
+    code, report = audit_json(capsys, path)
+    (killed,) = report["attempts"][0]["killed_at"]
+    assert code == 1 and (killed["state"], killed["step"]) == ("STEP", running)
+    assert f"its trail ends in STEP at step {running}," in report["run_problems"][0]["message"]
 
 
 def test_an_inconsistent_trail_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,13 @@ step where the trail ends, every exception with its traceback; then what the nex
 (resumed from which checkpoint, skipped which, or started afresh). It ends with the audit's
 verdict (``trainfsm.tools.report.verdict``): is the trail consistent, did the run end well.
 
+Where a trail ends is said with one number, the trainer's step as the replay has it (as
+``trainfsm audit`` says it): in STEP, ACCUMULATE and RETRY the step being run (``running step
+1285``), elsewhere the step the state belongs to (``CHECKPOINT at step 1284``). It is not the
+last record's own ``step`` field: the trainer counts a step on entering STEP, after the transition
+into STEP is written (with the step just done), and a compact ``steps`` record carries the last
+step it holds, so after either the trainer is in STEP one step further than the record says.
+
 The trail is read once: the audit's replay gives the attempts' outcome, and a bounded tail per rank
 and attempt keeps the last events, so a week-long trail costs no more memory than a short one.
 """
@@ -19,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from trainfsm import machine as fsm
 from trainfsm.machine import ExitReason
 from trainfsm.tools.audit import audit_trail
 from trainfsm.tools.report import AttemptReport, AuditReport, group_restart, since_text, verdict
@@ -28,6 +36,9 @@ DEFAULT_EVENTS: Final = 10
 
 #: Exit reasons that get a story (as does an attempt without an exit event).
 _TRACED: Final = frozenset({ExitReason.FAILED, ExitReason.INTERRUPTED, ExitReason.PREEMPTED})
+
+#: States in which the trainer's step is the step being run (it went up on entering STEP).
+_RUNNING: Final = frozenset({fsm.STEP, fsm.ACCUMULATE, fsm.RETRY})
 
 #: Fields every event has; the rest are what an event says.
 _COMMON: Final = frozenset({"ts", "event", "rank", "step", "state", "run_id", "attempt", "traceback"})
@@ -98,7 +109,7 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
     first = attempt.first
     if first.exit is None:
         where = "; ".join(
-            f"rank {k['rank']} at {k['file']}:{k['line']}, {k['state']} at step {k['step']}"
+            f"rank {k['rank']} at {k['file']}:{k['line']}, {position(k['state'], k['step'])}"
             + since_text(k["since_previous"])
             for k in attempt.killed_at()
         )
@@ -112,7 +123,8 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
     for rank in attempt.ranks:
         tail = report.tails[(attempt.attempt, rank.rank)]
         last = tail.events[-1]
-        lines.append(f"  rank {rank.rank}: the trail ends in {last.state} at step {last.step} ({last.where()})")
+        where = position(rank.end_state, rank.end_step)  # the replay's, not the last record's step field
+        lines.append(f"  rank {rank.rank}: the trail ends in {where} ({last.where()})")
         lines.append(f"    last {len(tail.events)} events:")
         lines.extend(f"      {_describe(record, last.ts)}" for record in tail.events)
         for exc in tail.exceptions:
@@ -136,7 +148,7 @@ def _cause(report: TraceReport, attempt: AttemptReport) -> str | None:
         killed = [k for k in attempt.killed_at() if k["rank"] not in followers]
         if not killed:
             return None
-        where = "; ".join(f"rank {k['rank']} in {k['state']} at step {k['step']}" for k in killed)
+        where = "; ".join(f"rank {k['rank']} in {position(k['state'], k['step'])}" for k in killed)
         return f"  cause: killed: {where} (its trail just ends, no exit event){after}"
     first = min(own, key=lambda record: record.ts)
     data = first.data
@@ -144,6 +156,12 @@ def _cause(report: TraceReport, attempt: AttemptReport) -> str | None:
         f"  cause: rank {first.rank} at step {first.step} ({first.state}): {data.get('type')}: "
         f"{_short(data.get('message'))} ({first.where()}){after}"
     )
+
+
+def position(state: str, step: int) -> str:
+    """``STEP running step 1285``, ``CHECKPOINT at step 1284``: where a trail ends, ``step`` the
+    trainer's step there (``RankAttempt.end_step``), worded by what it means in ``state``."""
+    return f"{state} running step {step}" if state in _RUNNING else f"{state} at step {step}"
 
 
 def _describe(record: Record, end: float) -> str:
@@ -179,7 +197,7 @@ def _next_attempt(report: AuditReport, number: int) -> str:
     if exit is not None:
         ending = f"it ended {exit['reason']} at step {first.end_step}"
     else:
-        ending = f"it was killed too (no exit event), last seen at step {first.end_step}"
+        ending = f"it was killed too (no exit event), last seen in {position(first.end_state, first.end_step)}"
     restart = group_restart(first.torchelastic)
     if restart:
         what = f"(torchrun restart {restart}) {what}"
