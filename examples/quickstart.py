@@ -4,7 +4,8 @@
 
 Subclass ``BaseTrainer``, implement the ``build_*`` methods and ``forward``, add hooks, call
 ``train()``. The run writes its checkpoints to ``WORKSPACE/checkpoints`` and its audit trail to
-``WORKSPACE/logs/events.rank0.jsonl``; run it again to resume from the latest checkpoint.
+``WORKSPACE/logs/events.rank0.jsonl``, with the loss every 10 steps; run it again to resume from
+the latest checkpoint. ``trainfsm plot WORKSPACE`` then draws the run and its loss curve.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
+from trainfsm import BaseHook, BaseTrainer, CheckpointingHook, LoggingHook
 
 
 def make_dataset(n: int = 2048, features: int = 784, classes: int = 10) -> torch.utils.data.TensorDataset:
@@ -47,6 +48,7 @@ class MyTrainer(BaseTrainer):
     def build_hooks(self) -> list[BaseHook]:
         return [
             CheckpointingHook(interval=100, keep_previous=1),  # under workspace/checkpoints
+            LoggingHook(interval=10),  # loss, lr and records averaged over 10 steps, into the trail
             PrintLoss(interval=50),
         ]
 
