@@ -173,10 +173,38 @@ def test_latest_skips_a_corrupt_newest_checkpoint_with_a_warning(tmp_path: Path)
 def test_latest_skips_a_checkpoint_without_manifest(tmp_path: Path) -> None:
     run(tmp_path, 8, keep_previous=1)
     (tmp_path / "checkpoints" / "8" / "manifest.json").unlink()
-    resumed = Trainer(CheckpointingHook(interval=4), max_steps=9, workspace=tmp_path)
+    resumed = Trainer(CheckpointingHook(interval=4), max_steps=7, workspace=tmp_path)
     resumed.train()
-    assert "manifest.json is missing" in events(tmp_path, "checkpoint_skipped")[0]["reason"]
+    assert "whose manifest.json is missing" in events(tmp_path, "checkpoint_skipped")[0]["reason"]
     assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 4
+
+
+def test_a_checkpoint_without_manifest_is_not_saved_over(tmp_path: Path) -> None:
+    """Without its manifest, nothing proves trainfsm wrote the directory: a run that would save
+    step 8 again stops in RESTORE instead of replacing it."""
+    run(tmp_path, 8, keep_previous=1)
+    (tmp_path / "checkpoints" / "8" / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="checkpoints/8 was written by trainloop"):
+        Trainer(CheckpointingHook(interval=4), max_steps=9, workspace=tmp_path).train()
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "8").iterdir()) == ["model.pt", "training_state.pt"]
+
+
+def test_a_named_checkpoint_older_than_the_newest_is_warned_about(tmp_path: Path, capsys: Any) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    Trainer(CheckpointingHook(interval=4, load="4"), max_steps=6, workspace=tmp_path).train()
+    (warning,) = events(tmp_path, "checkpoint_not_newest")
+    root = tmp_path / "checkpoints"
+    assert (warning["path"], warning["from_step"]) == (str(root / "4"), 4)
+    assert (warning["newest"], warning["newest_step"]) == (str(root / "8"), 8)
+    console = capsys.readouterr().err
+    assert "(step 8) is newer: the 4 steps since are trained again" in console
+    assert 'A script that is requeued after a preemption should resume with load="latest"' in console
+
+
+def test_loading_the_newest_by_name_warns_nothing(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    Trainer(CheckpointingHook(interval=4, load="8"), max_steps=10, workspace=tmp_path).train()
+    assert events(tmp_path, "checkpoint_not_newest") == []
 
 
 @pytest.mark.parametrize(
@@ -412,13 +440,14 @@ def test_a_newer_complete_checkpoint_wins_over_a_stale_latest(tmp_path: Path) ->
     assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 8
 
 
-def test_a_step_named_directory_of_junk_is_skipped(tmp_path: Path) -> None:
+def test_a_step_named_directory_of_junk_is_reported_once_not_tried(tmp_path: Path) -> None:
     run(tmp_path, 4)
     junk = tmp_path / "checkpoints" / "100"
     junk.mkdir()
     (junk / "notes.txt").write_text("not a checkpoint")
     _resume(tmp_path)
-    assert events(tmp_path, "checkpoint_skipped")[0]["path"] == str(junk)
+    assert events(tmp_path, "checkpoint_skipped") == []
+    assert [e["found"] for e in events(tmp_path, "checkpoint_foreign")] == [{"100": "unknown"}]
     assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 4
 
 

@@ -79,7 +79,7 @@ def test_a_truncated_file_fails_its_size(checkpoint: Path, capsys: pytest.Captur
 def test_a_missing_manifest_is_an_incomplete_checkpoint(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (checkpoint / "manifest.json").unlink()
     code, _, err = cli(capsys, "inspect", checkpoint)
-    assert code == 1 and "is incomplete: manifest.json is missing" in err
+    assert code == 1 and "is not a trainfsm checkpoint: it has no manifest.json" in err
 
 
 def test_a_manifest_of_an_unknown_format_is_invalid(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,6 +27,10 @@ its shards into the one temporary directory rank 0 made (``begin``), describes i
 (``describe_file``), and rank 0 lists them all in the manifest (``save(..., into=...,
 written=...)``), so it is complete only when every rank's part is durable.
 
+The store shares its root with whatever else is there: a step directory without our manifest
+(``trainloop``'s checkpoints, which load through ``trainloop_checkpoints``, or anything else) is
+``foreign``, and neither a save nor pruning ever replaces or deletes it.
+
 What a complete checkpoint holds and how a reader checks it is ``checkpoint_format``'s business;
 how the bytes get to the disk fast (staging buffers, ``O_DIRECT``, checksums on the way) is
 ``checkpoint_io``'s; this module is the order in which they must get there.
@@ -45,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm import checkpoint_format
+from trainfsm import checkpoint_format, trainloop_checkpoints
 from trainfsm.checkpoint_format import (
     FORMAT,
     KEEP_SUFFIX,
@@ -73,6 +77,8 @@ __all__ = [
     "MANIFEST",
     "READS",
     "TMP_PREFIX",
+    "TRAINFSM",
+    "TRAINLOOP",
     "Checkpoint",
     "CheckpointError",
     "CheckpointStore",
@@ -83,11 +89,23 @@ LATEST: Final = "latest"
 TMP_PREFIX: Final = ".tmp-"
 
 
+#: Who wrote a step directory (``Checkpoint.written_by``): trainfsm (it has our manifest), trainloop
+#: (its files, no manifest: ``trainloop_checkpoints``), or None for anything else under that name.
+TRAINFSM: Final = "trainfsm"
+TRAINLOOP: Final = "trainloop"
+
+
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     step: int
     path: Path
     kept: bool
+    written_by: str | None = TRAINFSM
+
+    @property
+    def ours(self) -> bool:
+        """Whether trainfsm wrote it: the only directories a save may replace and pruning may delete."""
+        return self.written_by == TRAINFSM
 
 
 class CheckpointStore:
@@ -184,6 +202,11 @@ class CheckpointStore:
         world_size: int | None,
     ) -> tuple[Checkpoint, int, str]:
         name = f"{step}{KEEP_SUFFIX}" if keep else str(step)
+        target = self.root / name
+        other = self.root / (str(step) if keep else f"{step}{KEEP_SUFFIX}")
+        for existing in (target, other):
+            if (existing.exists() or existing.is_symlink()) and not _ours(existing):
+                raise CheckpointError(foreign_in_the_way(existing, step))
         self.prepare()
         assert self._io is not None and self._staging is not None
         files: dict[str, dict[str, Any]] = {}
@@ -221,9 +244,7 @@ class CheckpointStore:
         manifest_bytes = encode_manifest(step, keep, files, self.checksum, world_size if written is not None else None)
         checksum = write_durable(tmp / MANIFEST, manifest_bytes, self.checksum)  # last: it marks the set complete
         fsync_dir(tmp)
-        target = self.root / name
-        other = self.root / (str(step) if keep else f"{step}{KEEP_SUFFIX}")
-        for existing in (target, other):  # the same step saved again (a resumed run): replace it
+        for existing in (target, other):  # the same step saved again (a resumed run): replace our own
             if existing.exists():
                 trash = self.root / f"{TMP_PREFIX}old-{existing.name}-{uuid.uuid4().hex[:8]}"
                 existing.rename(trash)
@@ -291,15 +312,19 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ listing
     def checkpoints(self) -> list[Checkpoint]:
-        """Every step directory, complete or not, oldest first."""
+        """Every step directory, whoever wrote it (``written_by``), oldest first."""
         if not self.root.is_dir():
             return []
         found = []
         for entry in self.root.iterdir():
             parsed = parse_step(entry.name)
             if parsed is not None and entry.is_dir() and not entry.is_symlink():
-                found.append(Checkpoint(parsed[0], entry, parsed[1]))
+                found.append(Checkpoint(parsed[0], entry, parsed[1], _writer(entry)))
         return sorted(found, key=lambda c: (c.step, c.kept))
+
+    def foreign(self) -> list[Checkpoint]:
+        """Step directories trainfsm did not write (trainloop's, or unknown): never replaced, never pruned."""
+        return [c for c in self.checkpoints() if not c.ours]
 
     def latest_name(self) -> str | None:
         return self.target(LATEST)
@@ -322,12 +347,13 @@ class CheckpointStore:
         return found
 
     def candidates(self) -> Iterator[Checkpoint]:
-        """Checkpoints to try for ``load="latest"``, newest step first.
+        """Checkpoints to try for ``load="latest"``, newest step first: trainfsm's and trainloop's
+        (a directory nobody known wrote is not tried; ``foreign`` lists it).
 
         Not ``latest``'s target first: a save that died after its rename but before ``latest`` moved
         leaves a newer complete checkpoint than the one ``latest`` names, and it is the one to use.
         """
-        yield from reversed(self.checkpoints())
+        yield from (c for c in reversed(self.checkpoints()) if c.written_by is not None)
 
     # ------------------------------------------------------------------ verifying and loading
     @staticmethod
@@ -345,8 +371,9 @@ class CheckpointStore:
     # ------------------------------------------------------------------ pruning
     def prune(self, keep_previous: int) -> list[Checkpoint]:
         """Delete complete, unkept checkpoints beyond the newest ``keep_previous + 1``; never the
-        newest complete one, never a kept one, never one a pointer (``latest``, ``best``) names."""
-        complete = [c for c in self.checkpoints() if (c.path / MANIFEST).is_file()]
+        newest complete one, never a kept one, never one a pointer (``latest``, ``best``) names,
+        never a directory trainfsm did not write (``foreign``)."""
+        complete = [c for c in self.checkpoints() if c.ours]
         if not complete:
             return []
         protected = {c.path for c in complete if c.kept}
@@ -361,6 +388,28 @@ class CheckpointStore:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
                 removed.append(checkpoint)
         return removed
+
+
+def foreign_in_the_way(path: Path, step: int) -> str:
+    """Why a save at ``step`` cannot use ``path``, and what to do."""
+    writer = "trainloop" if trainloop_checkpoints.is_trainloop(path) else "something other than trainfsm"
+    return (
+        f"{path} was written by {writer} (it has no {MANIFEST}), and this run saves step {step} there; "
+        f"trainfsm never replaces or deletes a directory it did not write. Move it out of {path.parent} "
+        f"(or delete it if you no longer need it), or give CheckpointingHook another path=."
+    )
+
+
+def _ours(path: Path) -> bool:
+    """A directory with our manifest (trainfsm writes it before the directory gets a step's name);
+    a symlink never is: trainfsm names checkpoints with real directories only."""
+    return path.is_dir() and not path.is_symlink() and (path / MANIFEST).is_file()
+
+
+def _writer(path: Path) -> str | None:
+    if (path / MANIFEST).is_file():
+        return TRAINFSM
+    return TRAINLOOP if trainloop_checkpoints.is_trainloop(path) else None
 
 
 def _check_pointer(pointer: str) -> None:

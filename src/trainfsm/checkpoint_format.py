@@ -78,7 +78,10 @@ def verify(path: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: {MANIFEST} is missing (an interrupted save?)")
+        raise CheckpointError(
+            f"{path} is not a trainfsm checkpoint: it has no {MANIFEST} (trainfsm writes that file into the "
+            f"directory before the directory gets its step's name, so this one was written by something else)"
+        )
     try:
         manifest = json.loads(manifest_path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
@@ -125,15 +128,20 @@ def load(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     for name in manifest["files"]:
         if "/" in name or not name.endswith(".pt"):
             continue  # a shard of a sharded checkpoint
-        try:
-            parts[name.removesuffix(".pt")] = torch.load(path / name, map_location="cpu", weights_only=True)
-        except Exception as exc:  # weights_only refuses arbitrary pickles: say so, run nothing
-            raise CheckpointError(
-                f"{path / name} could not be loaded safely with weights_only=True ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); it holds objects other than tensors and "
-                f"plain containers, or is not a torch file"
-            ) from None
+        parts[name.removesuffix(".pt")] = load_file(path / name)
     return parts
+
+
+def load_file(file: Path) -> Any:
+    """One ``.pt`` file, loaded with ``weights_only=True`` onto the CPU; CheckpointError if it cannot be."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refuses arbitrary pickles: say so, run nothing
+        raise CheckpointError(
+            f"{file} could not be loaded safely with weights_only=True ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); it holds objects other than tensors and "
+            f"plain containers, or is not a torch file"
+        ) from None
 
 
 def _matches(file: Path, expected: dict[str, Any], checksum: str) -> bool:

@@ -45,8 +45,10 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
         "sharded",
         "direct_io",
     ),
-    "checkpoint_loaded": ("path", "from_step", "sharded"),
+    "checkpoint_loaded": ("path", "from_step", "sharded", "format"),
     "checkpoint_skipped": ("path", "reason"),
+    "checkpoint_foreign": ("found",),
+    "checkpoint_not_newest": ("path", "from_step", "newest", "newest_step"),
     "checkpoint_pruned": ("paths",),
     "checkpoint_tmp_removed": ("names",),
     "checkpoint_store_ready": ("seconds",),
@@ -128,7 +130,18 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "(+ `blocked_seconds`), `sharded`, `direct_io` (its files went past the page cache)",
         "a checkpoint is durable",
     ),
-    "checkpoint_loaded": ("`path`, `from_step`, `sharded`", "RESTORE loaded a checkpoint"),
+    "checkpoint_loaded": (
+        "`path`, `from_step`, `sharded`, `format` (`trainfsm`, or `trainloop`: a checkpoint trainloop wrote)",
+        "RESTORE loaded a checkpoint",
+    ),
+    "checkpoint_foreign": (
+        "`found` (directory name -> `trainloop` or `unknown`)",
+        "RESTORE found step directories trainfsm did not write: never replaced or pruned (rank 0)",
+    ),
+    "checkpoint_not_newest": (
+        "`path`, `from_step`, `newest`, `newest_step`",
+        'a named checkpoint (`load="best"`, a path) loaded while a newer complete one exists (rank 0)',
+    ),
     "checkpoint_skipped": (
         "`path`, `reason`",
         '`load="latest"` passed over an incomplete or corrupt checkpoint',

@@ -7,6 +7,12 @@ rank verifies its share and one all_gather makes the verdict common, so that all
 it. A full checkpoint is checked against the model's keys and shapes and goes through
 ``trainer.load_state_dict``; a sharded one is read in place with DCP, on any world size. Each rank
 then resumes its own random streams and data position (rank 0's on a different world size).
+
+A checkpoint trainloop wrote (``trainloop_checkpoints``) loads through the same
+``trainer.load_state_dict``; it has no manifest to verify and no random state or data position.
+Directories trainfsm did not write are reported once (``checkpoint_foreign``), and RESTORE refuses
+to train towards one this run could save over (``refuse_foreign_ahead``): before the first step,
+where stopping loses nothing, rather than at that save.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm import collectives
-from trainfsm.checkpoint import CheckpointError, CheckpointStore
+from trainfsm import collectives, trainloop_checkpoints
+from trainfsm.checkpoint import TRAINFSM, TRAINLOOP, CheckpointError, CheckpointStore, foreign_in_the_way
 from trainfsm.events import notice
 
 if TYPE_CHECKING:
@@ -33,6 +39,9 @@ def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool, checksum: s
         removed = store.remove_leftovers()
         if removed:
             log.warning("checkpoint_tmp_removed", names=removed)
+        foreign = store.foreign()
+        if foreign:
+            log.warning("checkpoint_foreign", found={c.path.name: c.written_by or "unknown" for c in foreign})
         log.debug("checkpoint_store_ready", seconds=round(store.prepare(), 6))
     return store
 
@@ -73,7 +82,44 @@ def restore(
             path = store.root / target
     manifest, parts = _verified(trainer, path)
     _apply(trainer, path, manifest, parts, current, data_resume)
+    if trainer.rank == 0:
+        _warn_if_older(trainer, store, path, load)
     return path
+
+
+def _warn_if_older(trainer: BaseTrainer, store: CheckpointStore, path: Path, load: Path | str) -> None:
+    """A named checkpoint (``load="best"``, a path) loaded while the store holds a newer complete one:
+    left in a script that is requeued, every preemption would train the steps since it again."""
+    newer = [c for c in store.candidates() if c.step > trainer.step]
+    if not newer:
+        return
+    newest = newer[0]
+    trainer.events.warning(
+        "checkpoint_not_newest",
+        path=str(path),
+        from_step=trainer.step,
+        newest=str(newest.path),
+        newest_step=newest.step,
+    )
+    notice(
+        trainer.logger,
+        f"load={str(load)!r} resumed from step {trainer.step}, but {newest.path} (step {newest.step}) is newer: "
+        f"the {newest.step - trainer.step} steps since are trained again. A script that is requeued after a "
+        f'preemption should resume with load="latest".',
+    )
+
+
+def refuse_foreign_ahead(trainer: BaseTrainer, store: CheckpointStore) -> None:
+    """Raise on every rank when a directory trainfsm did not write has a step this run may still
+    save (after the step it starts from, up to ``max_steps``): a save never replaces it, so the run
+    would fail there, with its steps since the last save lost."""
+    ahead = collectives.from_rank0(
+        [(str(c.path), c.step) for c in store.foreign() if trainer.step < c.step <= trainer.max_steps]
+        if trainer.rank == 0
+        else None
+    )
+    if ahead:
+        raise CheckpointError(" ".join(foreign_in_the_way(Path(p), step) for p, step in ahead))
 
 
 def _verified(trainer: BaseTrainer, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -89,8 +135,11 @@ def _verified(trainer: BaseTrainer, path: Path) -> tuple[dict[str, Any], dict[st
     parts: dict[str, Any] = {}
     error: str | None = None
     try:
-        manifest = CheckpointStore.verify(path, share=(rank, world))
-        parts = CheckpointStore.load(path, manifest)
+        if trainloop_checkpoints.is_trainloop(path):  # nothing to verify: no manifest, no checksums
+            manifest, parts = {"written_by": TRAINLOOP}, trainloop_checkpoints.load(path)
+        else:
+            manifest = CheckpointStore.verify(path, share=(rank, world))
+            parts = CheckpointStore.load(path, manifest)
     except CheckpointError as exc:
         error = str(exc)
     if world > 1:
@@ -109,7 +158,11 @@ def _apply(
     current: dict[str, Any],
     data_resume: str,
 ) -> None:
-    state = {**parts.get("model", {}), **parts.get("training_state", {}), **parts.get("hooks", {})}
+    written_by = manifest.get("written_by", TRAINFSM)
+    if written_by == TRAINLOOP:
+        state = parts  # already the state: model, training state's entries, hook states
+    else:
+        state = {**parts.get("model", {}), **parts.get("training_state", {}), **parts.get("hooks", {})}
     ranks = state.pop("ranks", None)
     if ranks:  # each rank resumes its own random streams and data; on another world size, rank 0's
         state["rank_state"] = ranks[trainer.rank] if trainer.rank < len(ranks) else ranks[0]
@@ -124,9 +177,17 @@ def _apply(
         path=str(path),
         from_step=trainer.step,
         sharded=sharded,
+        format=written_by,
         **({"saved_world_size": manifest.get("world_size")} if sharded else {}),
     )
-    if trainer.rank == 0:
+    if trainer.rank == 0 and written_by == TRAINLOOP:
+        notice(
+            trainer.logger,
+            f"resumed from trainloop's checkpoint {trainer.step} ({path}): model, optimizer, scheduler and step "
+            f"as trainloop saved them; trainloop saves no random state or data position, so the data loader "
+            f"starts a fresh pass (its first batches again) and random numbers come from the script's seed",
+        )
+    elif trainer.rank == 0:
         notice(trainer.logger, f"resumed from checkpoint {trainer.step} ({path})")
 
 

@@ -19,7 +19,7 @@ from trainfsm.checkpoint import CheckpointStore
 from trainfsm.checkpoint_io import check_checksum
 from trainfsm.hooks.async_save import BackgroundSaves
 from trainfsm.hooks.base import BaseHook
-from trainfsm.hooks.checkpoint_restore import model_shapes, open_store, restore
+from trainfsm.hooks.checkpoint_restore import model_shapes, open_store, refuse_foreign_ahead, restore
 from trainfsm.hooks.checkpoint_save import Saver, SaveResult, log_saved, saves_sharded
 from trainfsm.machine import ExitReason
 from trainfsm.preemption import DEFAULT_EXIT_SIGNALS, exit_policy
@@ -123,12 +123,12 @@ class CheckpointingHook(BaseHook):
         self._saver = Saver(store, self.keep_previous, self.checksum, self._background if self.async_save else None)
         current = model_shapes(trainer)
         self.saves_sharded = saves_sharded(trainer, current, self.sharded)
-        if self.load is None:
-            return
-        loaded = restore(trainer, store, self.load, self.data_resume, current)
-        if loaded is not None:
-            self.loaded_from = loaded
-            self._step_in_store = trainer.step
+        if self.load is not None:
+            loaded = restore(trainer, store, self.load, self.data_resume, current)
+            if loaded is not None:
+                self.loaded_from = loaded
+                self._step_in_store = trainer.step
+        refuse_foreign_ahead(trainer, store)
 
     # ------------------------------------------------------------------ CHECKPOINT
     def wants_checkpoint(self, trainer: BaseTrainer) -> bool:

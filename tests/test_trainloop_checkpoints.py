@@ -1,0 +1,249 @@
+"""A trainloop user switches the import in the middle of a project and loses nothing.
+
+The same script (``user_trainer``) runs with the real ``trainloop`` package (a test dependency,
+0.11) and then with ``trainfsm``: trainfsm resumes from trainloop's newest checkpoint at its step,
+with its model, optimizer (momentum), scheduler and EMA state, and continues exactly as trainloop
+itself would have; trainloop's directories stay as they were, byte for byte. A directory trainfsm
+did not write is never replaced or pruned: a run that could save over one stops in RESTORE, with
+an error that names it, before a step is lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import trainloop  # the real package: a test dependency (dev extra), never skipped
+from torch import nn
+
+import trainfsm
+from trainfsm.checkpoint import CheckpointError
+from trainfsm.checkpoint_format import MANIFEST
+
+from . import helpers
+
+BATCHES = [
+    (torch.randn(4, 3, generator=torch.Generator().manual_seed(i)), torch.full((4, 1), float(i % 3))) for i in range(5)
+]
+
+
+class Batches:
+    """An endless, re-iterable stream: each new iterator starts again at the first batch."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (BATCHES[i % len(BATCHES)] for i in itertools.count())
+
+
+def read_events(workspace: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in helpers.read_events(workspace) if e["event"] == name]
+
+
+class StepsSeen(trainfsm.BaseHook):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_after_step(self, trainer: Any) -> None:
+        self.steps.append(trainer.step)
+
+
+def user_trainer(
+    package: ModuleType, workspace: Path, max_steps: int, extra: tuple[Any, ...] = (), **hook_args: Any
+) -> Any:
+    """The user's script; ``package`` is the one line that changes (``from trainloop import ...``);
+    ``extra``: hooks the test adds."""
+
+    class Trainer(package.BaseTrainer):  # type: ignore[name-defined,misc]
+        def build_data_loader(self) -> Batches:
+            return Batches()
+
+        def build_model(self) -> nn.Module:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def build_optimizer(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+
+        def build_lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+            return torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=3, gamma=0.7)
+
+        def build_hooks(self) -> list[Any]:
+            args = {"interval": 4, "keep_previous": 1, **hook_args}
+            # EMA first: trainloop loads a checkpoint in the CheckpointingHook's on_before_train, which
+            # must find the EMA model built.
+            return [package.EMAHook(decay=0.9), package.CheckpointingHook(**args), *extra]
+
+        def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+            x, y = batch
+            return nn.functional.mse_loss(self.model(x), y), {}
+
+    return Trainer(max_steps=max_steps, workspace=workspace, device="cpu")
+
+
+def tree(path: Path) -> dict[str, str]:
+    """Every file and link under ``path``: relative name -> sha256 of its bytes, or the link's target."""
+    return {
+        str(p.relative_to(path)): ("-> " + str(p.readlink()))
+        if p.is_symlink()
+        else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_symlink() or p.is_file()
+    }
+
+
+def state(trainer: Any) -> dict[str, torch.Tensor]:
+    """Model, EMA and optimizer momentum, flat, for an exact comparison."""
+    ema = next(h for h in trainer.hooks if type(h).__name__ in ("EMAHook", "EmaHook")).ema_model
+    flat = {f"model.{k}": v for k, v in trainer.model.state_dict().items()}
+    flat |= {f"ema.{k}": v for k, v in ema.state_dict().items()}
+    for i, s in trainer.optimizer.state_dict()["state"].items():
+        flat[f"momentum.{i}"] = s["momentum_buffer"]
+    flat["lr"] = torch.tensor(trainer.optimizer.param_groups[0]["lr"])
+    return flat
+
+
+@pytest.fixture
+def trained_by_trainloop(tmp_path: Path) -> Path:
+    """trainloop trained 10 steps: checkpoints 8/ and 10/ (4/ pruned by keep_previous=1), latest -> 10."""
+    workspace = tmp_path / "run"
+    user_trainer(trainloop, workspace, max_steps=10).train()
+    checkpoints = workspace / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["10", "8", "latest"]
+    assert (checkpoints / "latest").readlink() == Path("10")
+    return workspace
+
+
+def test_trainfsm_resumes_from_trainloops_newest_checkpoint_at_its_step(trained_by_trainloop: Path) -> None:
+    seen = StepsSeen()
+    user_trainer(trainfsm, trained_by_trainloop, max_steps=12, extra=(seen,)).train()
+    (loaded,) = read_events(trained_by_trainloop, "checkpoint_loaded")
+    assert loaded["format"] == "trainloop" and loaded["from_step"] == 10
+    assert loaded["path"] == str(trained_by_trainloop / "checkpoints" / "10")
+    assert seen.steps == [11, 12]
+
+
+def test_the_switched_run_continues_exactly_as_trainloop_would(trained_by_trainloop: Path, tmp_path: Path) -> None:
+    """Both resume from the same checkpoint with a fresh data iterator (trainloop saves no data
+    position): model, EMA, momentum and learning rate agree bit for bit six steps on."""
+    reference_workspace = tmp_path / "reference"
+    shutil.copytree(trained_by_trainloop, reference_workspace, symlinks=True)
+    reference = user_trainer(trainloop, reference_workspace, max_steps=16)
+    reference.train()
+    switched = user_trainer(trainfsm, trained_by_trainloop, max_steps=16)
+    switched.train()
+    expected, got = state(reference), state(switched)
+    assert expected.keys() == got.keys()
+    assert {k for k in expected if not torch.equal(expected[k], got[k])} == set()
+    assert switched.lr_scheduler.state_dict()["last_epoch"] == reference.lr_scheduler.state_dict()["last_epoch"] == 16
+
+
+def test_a_fresh_start_would_differ(trained_by_trainloop: Path, tmp_path: Path) -> None:
+    """The comparison above can fail: without the resume the parameters are not those values."""
+    resumed = user_trainer(trainfsm, trained_by_trainloop, max_steps=16)
+    resumed.train()
+    fresh = user_trainer(trainfsm, tmp_path / "fresh", max_steps=6)
+    fresh.train()
+    assert not torch.equal(state(resumed)["model.0.weight"], state(fresh)["model.0.weight"])
+
+
+def test_trainloops_directories_stay_byte_for_byte_through_saves_and_pruning(trained_by_trainloop: Path) -> None:
+    checkpoints = trained_by_trainloop / "checkpoints"
+    before = {name: tree(checkpoints / name) for name in ("8", "10")}
+    user_trainer(trainfsm, trained_by_trainloop, max_steps=24, keep_previous=0).train()
+    assert {name: tree(checkpoints / name) for name in ("8", "10")} == before
+    ours = sorted(int(p.name) for p in checkpoints.iterdir() if not p.is_symlink() and (p / MANIFEST).is_file())
+    assert ours == [24]  # trainfsm pruned its own 12, 16 and 20, nothing of trainloop's
+    assert (checkpoints / "latest").readlink() == Path("24")
+    assert read_events(trained_by_trainloop, "checkpoint_foreign")[0]["found"] == {"8": "trainloop", "10": "trainloop"}
+
+
+def test_a_second_resume_takes_trainfsms_own_newer_checkpoint(trained_by_trainloop: Path) -> None:
+    user_trainer(trainfsm, trained_by_trainloop, max_steps=12).train()
+    user_trainer(trainfsm, trained_by_trainloop, max_steps=14).train()
+    loaded = read_events(trained_by_trainloop, "checkpoint_loaded")
+    assert [(e["format"], e["from_step"]) for e in loaded] == [("trainloop", 10), ("trainfsm", 12)]
+
+
+def test_a_kept_trainloop_checkpoint_loads_through_its_keep_directory(tmp_path: Path) -> None:
+    """trainloop keeps step 8 as 8_keep/ with an 8 -> 8_keep link; latest -> 8 links on."""
+    workspace = tmp_path / "run"
+    user_trainer(trainloop, workspace, max_steps=8, keep_steps=[8]).train()
+    checkpoints = workspace / "checkpoints"
+    assert (checkpoints / "8").readlink() == Path("8_keep")
+    user_trainer(trainfsm, workspace, max_steps=9, keep_steps=[8]).train()
+    (loaded,) = read_events(workspace, "checkpoint_loaded")
+    assert (loaded["format"], loaded["from_step"], loaded["path"]) == ("trainloop", 8, str(checkpoints / "8_keep"))
+
+
+# ---------------------------------------------------------------- nothing foreign is replaced
+def test_a_foreign_directory_where_the_run_would_save_stops_it_in_restore(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "8").mkdir(parents=True)
+    (checkpoints / "8" / "notes.txt").write_text("my evaluation results, not a checkpoint\n")
+    before = tree(checkpoints)
+    trainer = user_trainer(trainfsm, tmp_path, max_steps=12)
+    with pytest.raises(CheckpointError, match=r"checkpoints/8 was written by something other than trainfsm"):
+        trainer.train()
+    assert trainer.step == 0 and tree(checkpoints) == before
+    assert read_events(tmp_path, "checkpoint_foreign")[0]["found"] == {"8": "unknown"}
+
+
+def test_the_refusal_says_what_to_do(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints" / "4_keep").mkdir(parents=True)
+    with pytest.raises(CheckpointError) as error:
+        user_trainer(trainfsm, tmp_path, max_steps=12).train()
+    message = str(error.value)
+    assert "saves step 4 there" in message and "never replaces or deletes a directory it did not write" in message
+    assert f"Move it out of {tmp_path / 'checkpoints'}" in message and "another path=" in message
+
+
+def test_a_foreign_directory_past_max_steps_is_left_alone_and_the_run_trains(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints" / "100").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "100" / "data.bin").write_bytes(b"\x00\x01")
+    before = tree(tmp_path / "checkpoints" / "100")
+    user_trainer(trainfsm, tmp_path, max_steps=8).train()
+    assert tree(tmp_path / "checkpoints" / "100") == before
+    assert [e["saved_step"] for e in read_events(tmp_path, "checkpoint_saved")] == [4, 8]
+
+
+def test_a_foreign_directory_is_not_called_an_interrupted_save(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    user_trainer(trainfsm, tmp_path, max_steps=1).train()  # 2 is past max_steps: the run goes ahead
+    assert read_events(tmp_path, "checkpoint_skipped") == []  # not tried as a checkpoint at all
+    assert read_events(tmp_path, "checkpoint_foreign")[0]["found"] == {"2": "unknown"}
+
+
+def test_a_save_onto_a_directory_that_appeared_during_the_run_fails_and_keeps_it(tmp_path: Path) -> None:
+    """The last guard, in the store's save: a directory made after RESTORE checked (here by a hook
+    at step 3) is named in the error, and is there untouched afterwards."""
+
+    class MakesADirectory(trainfsm.BaseHook):
+        def on_after_step(self, trainer: Any) -> None:
+            if trainer.step == 3:
+                (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+                (tmp_path / "checkpoints" / "4" / "model.pt").write_bytes(b"someone else's")
+
+    trainer = user_trainer(trainfsm, tmp_path, max_steps=8, extra=(MakesADirectory(),))
+    with pytest.raises(CheckpointError, match=r"checkpoints/4 was written by something other than trainfsm"):
+        trainer.train()
+    assert (tmp_path / "checkpoints" / "4" / "model.pt").read_bytes() == b"someone else's"
+    assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_prune_never_deletes_a_foreign_directory(tmp_path: Path) -> None:
+    from trainfsm.checkpoint import CheckpointStore
+
+    store = CheckpointStore(tmp_path)
+    for step in (1, 2, 3):
+        store.save(step, {"model": {"w": torch.ones(1)}}, keep=False)
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "x").write_text("x")
+    assert [c.path.name for c in store.prune(keep_previous=0)] == ["1", "2"]
+    assert (tmp_path / "0" / "x").read_text() == "x"
+    assert [(c.path.name, c.written_by) for c in store.foreign()] == [("0", None)]
