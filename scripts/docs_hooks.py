@@ -63,10 +63,14 @@ def _public() -> tuple[list[tuple[str, str, list[str]]], list[tuple[str, str, li
 def _entries_page(title: str, intro: str, entries: list[tuple[str, str, list[str]]]) -> str:
     lines = [f"# {title}", "", intro, ""]
     for name, path, aliases in entries:
-        lines += [f"## `{name}`", ""]
-        if aliases:
-            lines += [f"Also published as {', '.join(f'`{a}`' for a in aliases)}.", ""]
-        lines += [f"::: {path}", "    options:", "      show_root_heading: false", ""]
+        # mkdocstrings' heading (with the signature under it) is anchored at the object's path; the
+        # short anchor (#checkpointinghook) is kept for the links that use it.
+        lines += [f'<a id="{name.lower()}"></a>', "", f"::: {path}"]
+        if aliases:  # one entry for all its names, the class's own first (its signature's)
+            own = path.rsplit(".", 1)[1]
+            others = sorted({name, *aliases} - {own})
+            lines += ["    options:", f'      heading: "{own} (also published as {", ".join(others)})"']
+        lines.append("")
     return "\n".join(lines)
 
 

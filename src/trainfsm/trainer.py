@@ -45,11 +45,43 @@ class BaseTrainer(fsm.Triggers):
     """Subclass it, implement ``build_data_loader``, ``build_model``, ``build_optimizer`` and
     ``forward``, then call ``train()``.
 
-    Optionally override ``build_lr_scheduler`` (stepped once per applied optimizer step),
-    ``build_grad_scaler`` (default: enabled for ``mixed_precision="fp16"``) and ``build_hooks``.
-    ``forward(input)`` gets one batch and returns ``(loss, records)``: the loss to backpropagate
-    (or None to skip the micro-batch) and a dict of figures (tensors are fine: nothing is read
-    from the device per step).
+    Methods you implement (each is described with its signature below): BUILD calls the
+    ``build_*`` methods once, in this order, when ``train()`` starts; ``forward`` runs once per
+    micro-batch.
+
+    | method | returns | if you don't override it |
+    |---|---|---|
+    | ``build_data_loader()`` | any iterable of training batches | required |
+    | ``build_model()`` | the ``nn.Module``, on ``self.device`` (wrapped for DDP/FSDP if you like) | required |
+    | ``build_optimizer()`` | a ``torch.optim.Optimizer`` over ``self.model``'s parameters | required |
+    | ``build_lr_scheduler()`` | an LR scheduler, stepped once per applied optimizer step | no scheduler |
+    | ``build_grad_scaler()`` | a ``torch.amp.GradScaler`` | enabled for ``mixed_precision="fp16"`` only |
+    | ``build_hooks()`` | a list of hooks (``BaseHook``) | no hooks |
+    | ``forward(input)`` | ``(loss, records)`` for one batch | required |
+
+    Attributes you read (from a hook, ``forward`` or after ``train()``):
+
+    - ``step`` (``int``): the optimizer step; from STEP on, the step being run (1 for the first),
+      after it the last one completed. A resumed run counts on from its checkpoint.
+    - ``epoch`` (``int``): the data epoch, 0-based.
+    - ``step_info`` (``StepInfo``): the current step's figures (``loss``, ``grad_norm``,
+      ``records``, ...), complete when the step's optimizer step was applied.
+    - ``state`` (``str``): the machine's current state (``"ACCUMULATE"``, ...), once ``train()``
+      started.
+    - ``exit_reason`` (``ExitReason | None``) and ``exit_code`` (``int | None``): why the run took
+      EXIT and the status it exits with; None until then.
+    - ``data_loader``, ``model``, ``optimizer``, ``lr_scheduler``, ``grad_scaler``, ``hooks``:
+      what the ``build_*`` methods returned; None (``hooks``: empty) until BUILD ran.
+      ``unwrapped_model`` is ``model`` without its wrappers (DDP, FSDP, ``torch.compile``, ...).
+    - ``rank``, ``world_size`` (``int``): this process's rank and the number of ranks (0 and 1
+      without a process group); ``run_id`` (``str``) and ``attempt`` (``int``, 0 for the first
+      launch) name the run in its audit trail; ``slurm`` (``SlurmJob | None``) is the SLURM job
+      it runs in. All known once ``train()`` started.
+    - ``events``: the audit trail's logger, once ``train()`` started:
+      ``trainer.events.info("name", **fields)`` records an event.
+    - ``loss_none_skips`` (``int``): micro-batches skipped for ``loss=None`` in this launch.
+    - Each constructor argument under its own name, as checked: ``workspace`` is a ``Path`` (or
+      None), ``device`` a ``torch.device``, ``gradient_accumulation_steps`` an ``int``.
 
     Arguments (each is checked at construction; a bad value names the argument and what it takes):
 
@@ -140,24 +172,38 @@ class BaseTrainer(fsm.Triggers):
 
     # ---------------------------------------------------------------- the user's contract
     def build_data_loader(self) -> Iterable[Any]:
+        """Required: the training batches, any iterable (a ``DataLoader``, a list, ...); each item
+        is one micro-batch's ``forward(input)``. With several ranks, each rank's share."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_data_loader()")
 
     def build_model(self) -> nn.Module:
+        """Required: the model, on ``self.device``; wrap it for DDP or FSDP here
+        (``trainfsm.distributed.wrap_model``)."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
 
     def build_optimizer(self) -> torch.optim.Optimizer:
+        """Required: the optimizer over ``self.model``'s parameters (built after the model)."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_optimizer()")
 
     def build_lr_scheduler(self) -> Any:
+        """Optional: an LR scheduler over ``self.optimizer``, stepped once per applied optimizer
+        step (not on a skipped fp16 step). Default: None, no scheduler."""
         return None
 
     def build_grad_scaler(self) -> torch.amp.GradScaler:
+        """Optional: the ``torch.amp.GradScaler``. Default: one enabled only for
+        ``mixed_precision="fp16"``."""
         return torch.amp.GradScaler(self.device.type, enabled=self.mixed_precision == "fp16")
 
     def build_hooks(self) -> list[BaseHook]:
+        """Optional: the hooks (checkpoints, logging, validation, ...), run in this order. Default:
+        none."""
         return []
 
     def forward(self, input: Any) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """Required: one micro-batch. Returns ``(loss, records)``: the loss to backpropagate (or
+        None to skip the micro-batch) and a dict of figures for ``step_info["records"]`` (tensors
+        are fine: nothing is read from the device per step)."""
         raise NotImplementedError(f"{type(self).__name__} must implement forward(input)")
 
     def set_exit_signals(
@@ -390,20 +436,24 @@ class BaseTrainer(fsm.Triggers):
         trainer_state.restore(self, options, self._data, state, data_resume)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
+        """``model`` without its wrappers: ``torch.compile``, DDP, FSDP, ... (``trainfsm.unwrap``)."""
         return unwrap(model)
 
     @property
     def unwrapped_model(self) -> nn.Module:
+        """``self.model`` without its wrappers (``unwrap``); available once BUILD built it."""
         if self.model is None:
             raise RuntimeError("unwrapped_model is available once build_model() ran (after train() starts).")
         return unwrap(self.model)
 
     def log(self, records: dict[str, Any], dry_run: bool = False) -> None:
+        """Pass figures to every hook's ``on_log`` (W&B, TensorBoard, ...). Also ``log_scalars``."""
         for hook in self.hooks:
             hook.on_log(self, records, dry_run)
 
     log_scalars = log  # the other published spelling
 
     def log_images(self, records: dict[str, Any], dry_run: bool = False) -> None:
+        """Pass images to every hook's ``on_log_images``."""
         for hook in self.hooks:
             hook.on_log_images(self, records, dry_run)

@@ -159,7 +159,8 @@ def save_image(image: PILImage.Image, path: Path, fmt: str) -> None:
 
 class ImageFileLoggerHook(BaseHook):
     """Write what ``trainer.log_images`` receives to ``workspace/visualizations/<step>/<key>.<format>``
-    on rank 0 (see the module doc for nested keys).
+    on rank 0. A nested dict, like a ``/`` in a key, becomes subdirectories: ``{"val": {"sample":
+    image}}`` at step 20 is ``visualizations/20/val/sample.png``.
 
     ``image_format``: a file extension (``"png"``, ``"jpg"``, ``"jpeg"``, ``"bmp"``, ``"gif"``,
     ``"tif"``, ``"tiff"``, ``"webp"``) or a callable that takes the ``/``-joined key and returns one.

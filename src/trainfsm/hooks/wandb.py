@@ -48,7 +48,11 @@ RUN_ID_FILE = Path("wandb") / "run_id"
 
 
 class WandbHook(BaseHook):
-    """Log ``trainer.log`` / ``trainer.log_images`` to wandb on rank 0 (see the module doc).
+    """Log ``trainer.log`` / ``trainer.log_images`` to wandb on rank 0, each row at ``trainer.step``.
+
+    The run starts after RESTORE and is finished at EXIT however the run ends; its id is kept in
+    ``workspace/wandb/run_id``, so a resumed or requeued launch continues the same wandb run (the
+    module's docstring has the details: id precedence, ``WANDB_*`` variables, known limits).
 
     ``project``, ``name``, ``tags``: as ``wandb.init``'s; None leaves them to wandb and its
     ``WANDB_*`` variables. ``config``: a dict, or the path of a JSON file holding one.
