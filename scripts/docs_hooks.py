@@ -4,18 +4,29 @@ Nothing here is copied into docs/, so nothing can drift: the API and hook refere
 public name of ``trainfsm.__all__`` (mkdocstrings renders each from its docstring), the CLI page is
 the commands' own ``--help``, the event reference is ``trainfsm.schema``'s tables, and the plot in
 the audit-trail guide is drawn from a real run trained (and resumed) during the build.
+
+The site works offline (a cluster's login node): Mermaid, which MkDocs Material would otherwise
+fetch from unpkg when a page has a diagram, is served from the site itself. The build takes the
+pinned release's tarball from the npm registry once, checks it against npm's integrity hash, keeps
+it under ``.cache/docs/`` and copies its ``mermaid.min.js`` into the site on every build.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +41,23 @@ MORE_API = (
     "trainfsm.devices",
     "trainfsm.distributed",
 )
+
+#: The Mermaid release the site serves. MkDocs Material 9.x asks for ``mermaid@11`` (the unpkg URL
+#: in its bundle), so this is the newest 11.x; move both together. The integrity is the registry's
+#: own (``npm view mermaid@11.17.2 dist.integrity``): a download that does not match is refused.
+MERMAID_VERSION = "11.17.2"
+MERMAID_INTEGRITY = "sha512-V6K3C8EBdEsPFZXSKMJe6ppQOENxuHARr9GvHX4hh47lAbhMRD9qf4oEK7LoaRQxULMa80/qt5gHO73aCleBBg=="
+MERMAID_TARBALL = f"https://registry.npmjs.org/mermaid/-/mermaid-{MERMAID_VERSION}.tgz"
+#: Where the verified tarball is kept between builds (gitignored); the site's copy of the script,
+#: which mkdocs.yml's ``extra_javascript`` loads on every page, so Material finds ``mermaid``
+#: defined and fetches nothing.
+MERMAID_CACHE = ROOT / ".cache" / "docs" / f"mermaid-{MERMAID_VERSION}.tgz"
+MERMAID_SITE_PATH = "assets/javascripts/mermaid.min.js"
+#: What the site takes from the tarball: the script, and its MIT licence beside it.
+MERMAID_FILES = {
+    "package/dist/mermaid.min.js": MERMAID_SITE_PATH,
+    "package/LICENSE": "assets/javascripts/mermaid.LICENSE.txt",
+}
 
 
 def _public() -> tuple[list[tuple[str, str, list[str]]], list[tuple[str, str, list[str]]]]:
@@ -150,7 +178,54 @@ def _run_plot(out: Path) -> None:
         )
 
 
+def _integrity(data: bytes) -> str:
+    return "sha512-" + base64.b64encode(hashlib.sha512(data).digest()).decode()
+
+
+def _mermaid_tarball() -> bytes:
+    """The pinned Mermaid tarball: the cached copy when it checks out, else downloaded once."""
+    if MERMAID_CACHE.is_file():
+        data = MERMAID_CACHE.read_bytes()
+        if _integrity(data) == MERMAID_INTEGRITY:
+            return data  # else a truncated or altered copy: downloaded again below
+    try:
+        with urllib.request.urlopen(MERMAID_TARBALL, timeout=120) as response:
+            data = bytes(response.read())
+    except OSError as exc:
+        raise PluginError(
+            f"docs: could not download Mermaid {MERMAID_VERSION} from {MERMAID_TARBALL} ({exc}), and "
+            f"{MERMAID_CACHE} holds no verified copy. The site serves Mermaid itself so that it works "
+            "offline; build once where registry.npmjs.org is reachable (an HTTPS_PROXY is honoured), or "
+            f"put that tarball at {MERMAID_CACHE}."
+        ) from exc
+    if _integrity(data) != MERMAID_INTEGRITY:
+        raise PluginError(
+            f"docs: {MERMAID_TARBALL} does not match its pinned integrity ({_integrity(data)[:30]}... != "
+            f"{MERMAID_INTEGRITY[:30]}...); nothing was cached. If mermaid {MERMAID_VERSION} is meant to "
+            "change, update MERMAID_VERSION and MERMAID_INTEGRITY in scripts/docs_hooks.py together."
+        )
+    MERMAID_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    partial = MERMAID_CACHE.with_name(f"{MERMAID_CACHE.name}.{os.getpid()}.partial")
+    partial.write_bytes(data)
+    partial.replace(MERMAID_CACHE)  # whole or absent, with two builds at once too
+    return data
+
+
+def _mermaid_files() -> dict[str, bytes]:
+    """The site's copies (by their path in the site) of ``MERMAID_FILES``."""
+    found = {}
+    with tarfile.open(fileobj=io.BytesIO(_mermaid_tarball()), mode="r:gz") as tar:
+        for name, site_path in MERMAID_FILES.items():
+            member = tar.extractfile(name)
+            if member is None:
+                raise PluginError(f"docs: the Mermaid {MERMAID_VERSION} tarball has no {name}")
+            found[site_path] = member.read()
+    return found
+
+
 def on_files(files: Files, config: Any) -> Files:
+    for path, content in _mermaid_files().items():  # first: without them the build fails, and fast
+        files.append(File.generated(config, path, content=content))
     api, hooks = _public()
     pages = {
         "reference/api.md": _entries_page(
