@@ -43,7 +43,7 @@ diagrams: setup
 	$(BIN)/trainfsm diagram --format dot -o diagrams/machine.dot
 
 docs:
-	@EXTRAS=dev,demo,docs bash scripts/setup.sh
+	@bash scripts/setup.sh
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:

@@ -11,7 +11,7 @@
 #   TORCH_PIP_ARGS=    extra pip arguments for the torch install only (e.g. an --index-url of CPU wheels)
 #   PYTHON=python3     the interpreter that creates the virtualenv
 #   VENV=.venv         where the virtualenv lives
-#   EXTRAS=dev,demo    the package extras to install
+#   EXTRAS=dev,demo,docs   the package extras to install (docs: the tests build the site too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +19,7 @@ PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH=${TORCH:-2.13.0}
 TORCH_PIP_ARGS=${TORCH_PIP_ARGS:-}
-EXTRAS=${EXTRAS:-dev,demo}
+EXTRAS=${EXTRAS:-dev,demo,docs}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 
 if [ ! -x "$VENV/bin/python" ]; then
