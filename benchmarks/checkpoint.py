@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
-from trainfsm.checkpoint import CheckpointStore
+from trainfsm.checkpoint.store import CheckpointStore
 
 MB = 1 << 20
 SAVE_TARGETS = {"disk": 1.15, "fsync": 1.0}  # CheckpointStore.save's median over each one's median

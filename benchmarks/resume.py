@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
-from trainfsm.checkpoint import CheckpointStore
+from trainfsm.checkpoint.store import CheckpointStore
 
 BATCH = 16
 KINDS = ("map, skip (before)", "map, auto (sampler)", "StatefulDataLoader", "iterable, skip")

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from trainfsm import machine as fsm
-from trainfsm.events import EventLog
-from trainfsm.schema import FORMAT_VERSION
 from trainfsm.tools.audit import audit
+from trainfsm.trail.schema import FORMAT_VERSION
+from trainfsm.trail.writer import EventLog
 
 STEP_RATES = (1.0, 10.0, 100.0)  # steps per second
 BYTES_TARGET = 16.0

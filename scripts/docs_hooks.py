@@ -2,7 +2,7 @@
 
 Nothing here is copied into docs/, so nothing can drift: the API and hook reference list every
 public name of ``trainfsm.__all__`` (mkdocstrings renders each from its docstring), the CLI page is
-the commands' own ``--help``, the event reference is ``trainfsm.schema``'s tables, and the plot in
+the commands' own ``--help``, the event reference is ``trainfsm.trail.schema``'s tables, and the plot in
 the audit-trail guide is drawn from a real run trained (and resumed) during the build.
 
 The site works offline (a cluster's login node): Mermaid, which MkDocs Material would otherwise
@@ -130,12 +130,12 @@ def _cli_page() -> str:
 
 
 def _events_page() -> str:
-    from trainfsm import schema
+    from trainfsm.trail import schema
 
     lines = [
         "# The audit trail's events",
         "",
-        "Generated from `trainfsm.schema` at each docs build (`EVENT_FIELDS` is what the writer and the "
+        "Generated from `trainfsm.trail.schema` at each docs build (`EVENT_FIELDS` is what the writer and the "
         f"readers check; this page is `EVENT_DOCS`). Trail format {schema.FORMAT_VERSION}; readers take "
         f"formats {', '.join(map(str, schema.READABLE_FORMATS))}. What the trail is and how to read it: "
         "[the audit trail](../guides/audit-trail.md).",

@@ -192,7 +192,7 @@ def record(root: Path, action: Callable[[], Any]) -> Trace:
         return remove
 
     class RecordedFile:
-        """``open(path, "wb")`` in trainfsm.checkpoint: writes and fsyncs recorded."""
+        """``open(path, "wb")`` in trainfsm.checkpoint.store: writes and fsyncs recorded."""
 
         def __init__(self, path: Any, mode: str, *args: Any, **kwargs: Any) -> None:
             self._file = real_open(path, mode, *args, **kwargs)

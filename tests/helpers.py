@@ -19,8 +19,8 @@ from torch import nn
 
 from trainfsm import STATES, BaseHook, BaseTrainer
 from trainfsm.machine import EXIT, transition_rows
-from trainfsm.trail import TrailError
-from trainfsm.trail import read_events as read_trail_events
+from trainfsm.trail.reader import TrailError
+from trainfsm.trail.reader import read_events as read_trail_events
 
 EVENTS_FILE = Path("logs") / "events.rank0.jsonl"
 COMMON_FIELDS = ("ts", "event", "rank", "step", "state", "run_id", "attempt")
@@ -219,6 +219,6 @@ def ignored_here(*also: signal.Signals) -> list[str]:
     """``run_start``'s ``ignored`` for a process started from this one (or for this one): what this
     process ignores already (``nohup`` ignores SIGHUP, and ignored signals survive ``exec``), plus
     ``also``, in the trail's order."""
-    from trainfsm.signals import REPORTED_SIGNALS
+    from trainfsm.preemption.signals import REPORTED_SIGNALS
 
     return [s.name for s in REPORTED_SIGNALS if s in also or signal.getsignal(s) == signal.SIG_IGN]

@@ -10,7 +10,7 @@ from benchmarks.trail import write_trail
 from trainfsm.tools import audit as audit_module
 from trainfsm.tools.audit import audit, audit_trail, render
 from trainfsm.tools.cli import main
-from trainfsm.trail import open_trail
+from trainfsm.trail.reader import open_trail
 
 
 def job(logs: Path, ranks: int, steps: int, short: dict[int, int] | None = None, killed: bool = False) -> Path:

@@ -19,8 +19,8 @@ from torch import nn
 
 from tests.helpers import read_events, trail_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointError, CheckpointingHook
-from trainfsm.checkpoint import CheckpointStore
-from trainfsm.checkpoint_io import BUFFER_BYTES, DurableWriter, Staging, open_for_writing
+from trainfsm.checkpoint.io import BUFFER_BYTES, DurableWriter, Staging, open_for_writing
+from trainfsm.checkpoint.store import CheckpointStore
 
 
 class Trainer(BaseTrainer):
@@ -384,7 +384,7 @@ def _disk_full(*_: Any, **__: Any) -> None:
 
 def test_a_failed_save_loses_no_earlier_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run(tmp_path, 4)
-    monkeypatch.setattr("trainfsm.checkpoint_io.DurableWriter.write", _disk_full)
+    monkeypatch.setattr("trainfsm.checkpoint.io.DurableWriter.write", _disk_full)
     trainer = Trainer(CheckpointingHook(interval=4), max_steps=8, workspace=tmp_path)
     with pytest.raises(OSError, match="No space left"):
         trainer.train()
@@ -395,7 +395,7 @@ def test_a_failed_save_loses_no_earlier_checkpoint(tmp_path: Path, monkeypatch: 
 
 
 def test_a_failed_async_save_raises_at_the_next_step_or_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("trainfsm.checkpoint_io.DurableWriter.write", _disk_full)
+    monkeypatch.setattr("trainfsm.checkpoint.io.DurableWriter.write", _disk_full)
     trainer = Trainer(CheckpointingHook(interval=4, async_save=True), max_steps=8, workspace=tmp_path)
     with pytest.raises(CheckpointError, match="asynchronous checkpoint save failed: OSError"):
         trainer.train()
@@ -559,7 +559,7 @@ def test_torch_runs_ahead_of_the_disk_by_all_but_one_staging_buffer(
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from trainfsm.checkpoint_io import BUFFERS
+    from trainfsm.checkpoint.io import BUFFERS
 
     disk = threading.Event()
     pwrite = os.pwrite

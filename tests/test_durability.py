@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests import crashfs
-from trainfsm.checkpoint import CheckpointError, CheckpointStore
+from trainfsm.checkpoint.store import CheckpointError, CheckpointStore
 
 
 def parts(step: int) -> dict[str, Any]:

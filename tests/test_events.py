@@ -26,8 +26,8 @@ from tests.helpers import (
     transitions_of,
 )
 from trainfsm import STATES, BaseHook, BaseTrainer
-from trainfsm.events import BATCH, render_console
-from trainfsm.schema import EVENT_FIELDS, FORMAT_VERSION
+from trainfsm.trail.schema import EVENT_FIELDS, FORMAT_VERSION
+from trainfsm.trail.writer import BATCH, render_console
 
 
 # ---------------------------------------------------------------- the file
@@ -358,8 +358,8 @@ def test_recording_hook_sees_the_same_steps_as_the_trail(make_trainer, events):
 def test_the_schema_documents_every_event_and_each_field_it_lists() -> None:
     # The docs' event reference is generated from EVENT_DOCS: an event without a line there, or a
     # field its description leaves out, would be missing from it.
-    from trainfsm.schema import COMMON_FIELDS as DOCUMENTED_COMMON
-    from trainfsm.schema import EVENT_DOCS
+    from trainfsm.trail.schema import COMMON_FIELDS as DOCUMENTED_COMMON
+    from trainfsm.trail.schema import EVENT_DOCS
 
     assert EVENT_DOCS.keys() == EVENT_FIELDS.keys()
     for event, fields in EVENT_FIELDS.items():

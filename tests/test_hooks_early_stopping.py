@@ -12,7 +12,7 @@ import torch
 
 from tests.helpers import TinyTrainer, read_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
-from trainfsm.checkpoint import CheckpointStore
+from trainfsm.checkpoint.store import CheckpointStore
 from trainfsm.hooks.early_stopping import EarlyStoppingHook
 from trainfsm.hooks.validation import ValidationHook
 

@@ -28,7 +28,7 @@ from tests.distributed.launch import ROOT, audit_problems, events, free_port, ru
 from tests.test_checkpointing import Trainer, params, run
 from tests.test_checkpointing import events as trail
 from trainfsm import CheckpointError, CheckpointingHook
-from trainfsm.checkpoint import CheckpointStore
+from trainfsm.checkpoint.store import CheckpointStore
 
 WORKER = Path(sharded_worker.__file__)
 WORLD = 2
@@ -123,7 +123,7 @@ def test_a_staged_shard_is_the_cpu_copy_the_writer_fills_whatever_device_the_mes
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from trainfsm.hooks.async_save import stage as _stage
+    from trainfsm.checkpoint.background import stage as _stage
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

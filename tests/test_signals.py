@@ -16,7 +16,7 @@ import torch
 
 from tests.helpers import TinyTrainer, ignored_here, read_events
 from trainfsm import BaseHook, CheckpointingHook
-from trainfsm.slurm import SlurmJob, detect, requeue, valid_job_id
+from trainfsm.preemption.slurm import SlurmJob, detect, requeue, valid_job_id
 
 USR1 = signal.SIGUSR1
 

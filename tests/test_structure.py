@@ -17,7 +17,7 @@ from pathlib import Path
 from tests.helpers import TinyTrainer, read_events
 from trainfsm import BaseHook, CheckpointingHook
 from trainfsm.machine import STATES, TRIGGERS, ExitReason
-from trainfsm.preemption import exit_policy
+from trainfsm.preemption.policy import exit_policy
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainfsm"
 

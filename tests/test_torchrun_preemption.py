@@ -2,7 +2,7 @@
 
 ``examples/ddp.py`` with its default ``CheckpointingHook()`` (SIGTERM and SIGUSR1). torchrun
 forwards only the signals in ``--signals-to-handle`` to its workers; any other one kills it, and
-the kernel then sends each worker SIGTERM (``trainfsm.preemption.on_launcher_death``), so no worker
+the kernel then sends each worker SIGTERM (``trainfsm.preemption.policy.on_launcher_death``), so no worker
 trains on as an orphan. Elastic restarts: ``tests/faults/elastic_restart.py``.
 """
 

@@ -24,8 +24,8 @@ import trainloop  # the real package: a test dependency (dev extra), never skipp
 from torch import nn
 
 import trainfsm
-from trainfsm.checkpoint import CheckpointError
-from trainfsm.checkpoint_format import MANIFEST
+from trainfsm.checkpoint.manifest import MANIFEST
+from trainfsm.checkpoint.store import CheckpointError
 
 from . import helpers
 
@@ -237,7 +237,7 @@ def test_a_save_onto_a_directory_that_appeared_during_the_run_fails_and_keeps_it
 
 
 def test_prune_never_deletes_a_foreign_directory(tmp_path: Path) -> None:
-    from trainfsm.checkpoint import CheckpointStore
+    from trainfsm.checkpoint.store import CheckpointStore
 
     store = CheckpointStore(tmp_path)
     for step in (1, 2, 3):

@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from trainfsm.checkpoint import CheckpointError
+    from trainfsm.checkpoint.store import CheckpointError
     from trainfsm.collectives import LossNoneWarning
     from trainfsm.hooks import (
         BaseHook,
@@ -43,7 +43,7 @@ __version__ = "0.1.0"
 _SOURCES: Final = {
     "STATES": "trainfsm.machine",
     "TRANSITIONS": "trainfsm.machine",
-    "CheckpointError": "trainfsm.checkpoint",
+    "CheckpointError": "trainfsm.checkpoint.store",
     **dict.fromkeys(
         (
             "BaseHook",

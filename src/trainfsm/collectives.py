@@ -9,7 +9,7 @@ check the world size themselves.
 Two facts local to one rank decide a transition that every rank must take together:
 
 - an exit signal is pending, maybe on one rank only: every rank checkpoints and exits at the same
-  step (``trainfsm.preemption``). By default one all-reduce per step carries it
+  step (``trainfsm.preemption.policy``). By default one all-reduce per step carries it
   (``SignalAgreement``: started when a step begins, waited for when it ends, so it overlaps the
   step's work), and only when exit signals are installed.
 - ``forward`` returned ``loss=None``: the micro-batch is skipped. Had one rank skipped while the
@@ -44,7 +44,8 @@ from typing import Any, Final
 
 import torch
 
-from trainfsm.schema import new_run_id
+from trainfsm.trail import files
+from trainfsm.trail.schema import new_run_id
 from trainfsm.utils import user_stacklevel
 
 # What the backends say when a collective failed because of another rank: torch's own DistError
@@ -322,7 +323,7 @@ def trails(logs: Path | None, rank: int, world: int) -> list[str] | None:
     """The other ranks' trail files (a ``rank*`` pattern beyond two ranks), None without a workspace."""
     if logs is None:
         return None
-    return [str(logs / f"events.rank{1 - rank if world == 2 else '*'}.jsonl")]
+    return [str(logs / files.active_name(1 - rank if world == 2 else "*"))]
 
 
 def collective_note(rank: int, world: int, step: int, state: str, logs: Path | None) -> str:

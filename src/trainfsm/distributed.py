@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from trainfsm.preemption import torchelastic
 from trainfsm.torch_workarounds import import_collectives_before_any_group, release_destroyed_groups
 
 
@@ -95,7 +96,7 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
     if backend == "nccl":
         torch.cuda.set_device(layout.local_rank)
     import_collectives_before_any_group()  # now or never: the group exists from the next line (see there)
-    restart = elastic_restart()
+    restart = torchelastic.restart_count()
     if restart is None:  # srun, or RANK/WORLD_SIZE set by hand: rank 0 hosts the store
         dist.init_process_group(
             backend,
@@ -106,11 +107,11 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
         )
         return layout
     store = _launcher_store(layout, timeout)
-    global _group  # a fact about this process, which the trail's run_start reports
-    _group = _join_group(store, layout.rank, layout.world_size, timeout)
+    number = _join_group(store, layout.rank, layout.world_size, timeout)
+    torchelastic.joined_group(number)  # a fact about this process, which the trail's run_start reports
     dist.init_process_group(
         backend,
-        store=PrefixStore(f"{_GROUPS}_{_group}/", store),
+        store=PrefixStore(f"{_GROUPS}_{number}/", store),
         rank=layout.rank,
         world_size=layout.world_size,
         timeout=timeout,
@@ -120,15 +121,10 @@ def init_distributed(backend: str | None = None, timeout: timedelta = timedelta(
 
 #: The launcher store's counter of groups formed under one torchrun launch (see the module's docstring).
 _GROUPS: Final = "trainfsm/group"
-#: The number of the group this process joined under torchrun (1 for the first), once it did.
-_group: int | None = None
-
-
-def elastic_group() -> int | None:
-    """The number of the torchrun group this process joined through ``init_distributed`` (1 for
-    the first group of a launch, N+1 after N restarts of the group), the same on every node; None
-    before that or outside torchrun."""
-    return _group
+#: The group number's accessor, kept here under its old name (``trainfsm.preemption.torchelastic``).
+elastic_group = torchelastic.group
+#: torchrun's restart count, kept here under its old name.
+elastic_restart = torchelastic.restart_count
 
 
 def _join_group(store: Any, rank: int, world: int, timeout: timedelta) -> int:
@@ -177,17 +173,11 @@ def _acknowledged(store: Any, ack: str, onward: str, deadline: float) -> bool:
     return True
 
 
-def elastic_restart(environ: dict[str, str] | None = None) -> int | None:
-    """torchrun's restart count for this attempt (0 for the first), or None outside torchrun."""
-    value = (os.environ if environ is None else environ).get("TORCHELASTIC_RESTART_COUNT", "")
-    return int(value) if value.isdigit() else None
-
-
 def _launcher_store(layout: DistEnv, timeout: timedelta) -> Any:
     """torchrun's store: the agent's own (a client on every worker) when the agent shares it, as
     torchrun does by default; otherwise rank 0 hosts one at MASTER_ADDR:MASTER_PORT, as
     ``init_process_group("env://")`` would."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    agent = torchelastic.uses_agent_store()
     return TCPStore(
         layout.master_addr,
         layout.master_port,

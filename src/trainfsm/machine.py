@@ -125,7 +125,7 @@ STEP_TAKEN_BACK: Final[frozenset[str]] = frozenset({"exhausted"})
 #: A routine step, the path almost every step takes: into ACCUMULATE for its first micro-batch,
 #: ACCUMULATE -> ACCUMULATE for each further one, back to STEP with the optimizer step applied.
 #: Nothing else happening, such a step is determined by its micro-batch count, so the trail writes
-#: runs of them as one compact ``steps`` record (``trainfsm.schema``) that the audit replays as
+#: runs of them as one compact ``steps`` record (``trainfsm.trail.schema``) that the audit replays as
 #: these rows (checked against the table below at import).
 ROUTINE_START: Final = ("micro", STEP, ACCUMULATE)
 ROUTINE_NEXT: Final = ("micro", ACCUMULATE, ACCUMULATE)

@@ -8,7 +8,6 @@ trainer after ``__init__``.
 
 from __future__ import annotations
 
-import os
 import platform
 import signal
 import time
@@ -20,15 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm import collectives, slurm
+from trainfsm import collectives
 from trainfsm import machine as fsm
 from trainfsm.collectives import failed_collective
-from trainfsm.events import FLUSH_SECONDS, EventLog
 from trainfsm.hooks.base import BaseHook, bindings, overrides
 from trainfsm.machine import ExitReason
-from trainfsm.preemption import Preemption
-from trainfsm.schema import FORMAT_VERSION, new_run_id
-from trainfsm.segments import previous_attempt
+from trainfsm.preemption import slurm, torchelastic
+from trainfsm.preemption.policy import Preemption
+from trainfsm.trail import files
+from trainfsm.trail.files import previous_attempt
+from trainfsm.trail.schema import FORMAT_VERSION, new_run_id
+from trainfsm.trail.writer import FLUSH_SECONDS, EventLog
 
 if TYPE_CHECKING:
     from transitions import Machine
@@ -127,8 +128,8 @@ def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, 
     """The trail of this attempt, with its ``run_start`` record. Sets the trainer's ``rank``,
     ``world_size``, ``run_id``, ``attempt`` and ``slurm`` (a later attempt keeps the run id)."""
     rank, world = collectives.rank_and_world()
-    logs = trainer.workspace / "logs" if trainer.workspace else None
-    path = logs / f"events.rank{rank}.jsonl" if logs else None
+    logs = trainer.workspace / files.LOGS if trainer.workspace else None
+    path = logs / files.active_name(rank) if logs else None
     previous = previous_attempt(path) if path else None
     run_id, attempt = (previous[0], previous[1] + 1) if previous else (new_run_id(), 0)
     trainer.run_id, trainer.attempt = collectives.share_run_id(run_id, attempt)
@@ -153,7 +154,7 @@ def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, 
         max_steps=trainer.max_steps,
         slurm=trainer.slurm.as_event() if trainer.slurm else None,
         signals=preemption.at_start,
-        torchelastic=_torchelastic(),
+        torchelastic=torchelastic.launch(),
         trail={"form": trainer.trail_form, "flush_seconds": FLUSH_SECONDS, "segment_bytes": events.segment_bytes},
         versions={"trainfsm": _version(), "torch": torch.__version__, "python": platform.python_version()},
         config={
@@ -184,23 +185,6 @@ def exit_status(exc: BaseException) -> tuple[ExitReason, int]:
         status = 0 if code is None else int(code) & 0xFF if isinstance(code, int) else 1
         return (ExitReason.FAILED if status else ExitReason.STOPPED), status
     return ExitReason.FAILED, 1
-
-
-def _torchelastic() -> dict[str, Any] | None:
-    """torchrun's attempt: which restart this is (0 for the first launch) of how many allowed."""
-    from trainfsm.distributed import elastic_group, elastic_restart
-
-    restart = elastic_restart()
-    if restart is None:
-        return None
-    env = os.environ
-    maximum = env.get("TORCHELASTIC_MAX_RESTARTS", "")
-    return {
-        "restart_count": restart,  # this node's agent's count: agents on other nodes may count fewer
-        "max_restarts": int(maximum) if maximum.isdigit() else None,
-        "run_id": env.get("TORCHELASTIC_RUN_ID"),
-        "group": elastic_group(),  # None when the script set up its group without init_distributed
-    }
 
 
 def _version() -> str:

@@ -14,7 +14,7 @@ from typing import Final
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainfsm.arguments import int_at_least
+from trainfsm.options import int_at_least
 
 SCHEDULES: Final = ("constant", "constant_with_warmup", "linear", "cosine")
 

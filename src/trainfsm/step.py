@@ -20,16 +20,19 @@ from torch import nn
 
 from trainfsm import collectives
 from trainfsm.collectives import LossNoneAgreement
+from trainfsm.options import MIXED_PRECISIONS
 from trainfsm.utils import local_part
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
 
+#: ``mixed_precision`` (``trainfsm.options.MIXED_PRECISIONS``, or None) -> the autocast dtype.
 MIXED_PRECISION_DTYPES: dict[str | None, torch.dtype | None] = {
     None: None,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
+assert set(MIXED_PRECISION_DTYPES) == {None, *MIXED_PRECISIONS}
 
 
 # CPU gradients with at least this many elements are summed one by one; smaller ones share one

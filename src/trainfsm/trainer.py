@@ -3,7 +3,7 @@
 Each ``_run_<state>`` does its state's work and returns the trigger to fire next; ``train()``
 alternates the two until EXIT. Hooks, the trainer's own bookkeeping and the audit events are
 callbacks on the machine (``trainfsm.machine`` says what fires where). What a run needs while it
-runs is in ``trainfsm.run.Run``; preemption in ``trainfsm.preemption``; the data position in
+runs is in ``trainfsm.run.Run``; preemption in ``trainfsm.preemption.policy``; the data position in
 ``trainfsm.data_state.DataCursor``; the tensor work of a step in ``trainfsm.step.Stepper``.
 """
 
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainfsm import arguments as check
 from trainfsm import machine as fsm
-from trainfsm import trainer_state
+from trainfsm import options as check
+from trainfsm import resume
 from trainfsm.collectives import LossNoneAgreement, LossNoneWarning, loss_none_ranks
 from trainfsm.data_state import EXHAUSTED, DataCursor
 from trainfsm.hooks.base import BaseHook
 from trainfsm.machine import ExitReason
-from trainfsm.preemption import ExitPolicy, Preemption, exit_policy
+from trainfsm.preemption.policy import ExitPolicy, Preemption, exit_policy
 from trainfsm.run import Run, open_trail
 from trainfsm.step import Stepper, retries_used_up
 from trainfsm.step_info import StepInfo
@@ -34,7 +34,7 @@ from trainfsm.utils import is_distributed_wrapper, unwrap
 if TYPE_CHECKING:
     import signal
 
-    from trainfsm.slurm import SlurmJob
+    from trainfsm.preemption.slurm import SlurmJob
 
 import_collectives_before_any_group()  # a script imports us before it creates its group (see there)
 
@@ -427,13 +427,13 @@ class BaseTrainer(fsm.Triggers):
         ``on_state_dict``. The trainer's own: ``step``, ``epoch``, and ``rank_state``, this rank's
         random streams, data position and loss=None skip count (a checkpoint keeps every rank's).
         ``options``: torch's ``StateDictOptions`` for this call, else ``state_dict_options``."""
-        return trainer_state.capture(self, options, self._data)
+        return resume.capture(self, options, self._data)
 
     def load_state_dict(self, state: dict[str, Any], options: Any = None, data_resume: str = "auto") -> None:
         """The inverse of ``state_dict``. A ``rank_state`` entry (this rank's, or rank 0's on
         another world size) puts the random streams back and has RESTORE position the data
         iterator as ``data_resume`` says (``trainfsm.data_state``; "none": a fresh iterator)."""
-        trainer_state.restore(self, options, self._data, state, data_resume)
+        resume.restore(self, options, self._data, state, data_resume)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """``model`` without its wrappers: ``torch.compile``, DDP, FSDP, ... (``trainfsm.unwrap``)."""

@@ -186,7 +186,7 @@ def alive(pid: int) -> bool:
 # ---------------------------------------------------------------- audit trails
 def events(workspace: Path, rank: int) -> list[dict[str, Any]]:
     """Rank ``rank``'s trail; a line cut off by a kill is skipped."""
-    from trainfsm.trail import TrailError, read_events  # a line cut off by a kill is skipped
+    from trainfsm.trail.reader import TrailError, read_events  # a line cut off by a kill is skipped
 
     try:
         return list(read_events(workspace, rank))

@@ -117,7 +117,7 @@ def fail_rank1_step4_in_the_background(workspace: Path) -> dict[str, Any]:
     """Saves at 2, 4, 6 in the background; rank 1 cannot read back its step-4 shard."""
     import torch.distributed as dist
 
-    import trainfsm.hooks.checkpoint_save as checkpointing
+    import trainfsm.checkpoint.save as checkpointing
 
     describe = checkpointing.describe_file
 
@@ -144,7 +144,7 @@ def scenario_world1_after(out: Path, rank: int) -> dict[str, Any]:
 def scenario_kill(out: Path, rank: int, action: str) -> dict[str, Any]:
     """``action``: ``die_rank{R}`` or ``die_rank{R}_async`` (the saves run in the background)."""
     if action.removesuffix("_async") == f"die_rank{rank}":
-        import trainfsm.hooks.checkpoint_save as checkpointing
+        import trainfsm.checkpoint.save as checkpointing
 
         describe = checkpointing.describe_file
 

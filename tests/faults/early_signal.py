@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch import nn
 
     from trainfsm import BaseTrainer, CheckpointingHook
-    from trainfsm.checkpoint import CheckpointStore
+    from trainfsm.checkpoint.store import CheckpointStore
 
     def slow(place: str) -> None:
         if args.slow_in == place:

@@ -37,7 +37,7 @@ def child(workspace: Path, out: Path, slow: float) -> None:
     from torch import nn
 
     from trainfsm import BaseTrainer, CheckpointingHook
-    from trainfsm import checkpoint_io as store
+    from trainfsm.checkpoint import io as store
 
     if slow:  # widen the window in which a kill lands inside a checkpoint write
         finish = store.DurableWriter.finish
@@ -83,14 +83,14 @@ def _launch(workspace: Path, out: Path, slow: float) -> subprocess.Popen[bytes]:
 
 
 def _events(workspace: Path) -> list[dict[str, Any]]:
-    from trainfsm.trail import read_events  # tolerates the cut-off last line of a killed writer
+    from trainfsm.trail.reader import read_events  # tolerates the cut-off last line of a killed writer
 
     return list(read_events(workspace))
 
 
 def _last_step(workspace: Path) -> int:
     """The step the restarted process resumes from: that of the newest complete checkpoint."""
-    from trainfsm.checkpoint import parse_step
+    from trainfsm.checkpoint.store import parse_step
 
     names = [p.parent.name for p in (workspace / "checkpoints").glob("*/manifest.json") if not p.parent.is_symlink()]
     return max((parsed[0] for parsed in map(parse_step, names) if parsed), default=0)

@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainfsm import BaseTrainer
-from trainfsm.trail import TrailError, read_events
+from trainfsm.trail.reader import TrailError, read_events
 
 HERE = Path(__file__).resolve()
 

@@ -76,7 +76,7 @@ def _free_port() -> int:
 
 
 def events(workspace: Path, rank: int) -> list[dict[str, Any]]:
-    from trainfsm.trail import TrailError, read_events
+    from trainfsm.trail.reader import TrailError, read_events
 
     try:
         return list(read_events(workspace, rank))

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from trainfsm.trail import TrailError, read_events
+from trainfsm.trail.reader import TrailError, read_events
 
 if TYPE_CHECKING:
     from tests.slurm.conftest import SlurmCluster

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from trainfsm import machine as fsm
 
 if TYPE_CHECKING:
-    from trainfsm.preemption import ExitPolicy
+    from trainfsm.preemption.policy import ExitPolicy
     from trainfsm.step_info import StepInfo
     from trainfsm.trainer import BaseTrainer
 
@@ -25,7 +25,7 @@ class BaseHook:
     #: Signals on which the run should end cleanly (checkpoint, requeue, exit 128+signal), declared
     #: by a hook: the first hook whose policy names signals decides, unless the trainer's
     #: ``set_exit_signals()`` did. ``CheckpointingHook`` sets it from its ``exit_*`` arguments;
-    #: build one with ``trainfsm.preemption.exit_policy``. None: this hook has no say.
+    #: build one with ``trainfsm.preemption.policy.exit_policy``. None: this hook has no say.
     exit_policy: ExitPolicy | None = None
 
     def on_before_train(self, trainer: BaseTrainer) -> None:

@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainfsm import collectives, data_state
-from trainfsm.arguments import int_at_least
-from trainfsm.checkpoint import CheckpointStore
-from trainfsm.checkpoint_io import check_checksum
-from trainfsm.hooks.async_save import BackgroundSaves
+from trainfsm.checkpoint.background import BackgroundSaves
+from trainfsm.checkpoint.io import check_checksum
+from trainfsm.checkpoint.restore import model_shapes, open_store, refuse_foreign_ahead, restore
+from trainfsm.checkpoint.save import Saver, SaveResult, log_saved, saves_sharded
+from trainfsm.checkpoint.store import CheckpointStore
 from trainfsm.hooks.base import BaseHook
-from trainfsm.hooks.checkpoint_restore import model_shapes, open_store, refuse_foreign_ahead, restore
-from trainfsm.hooks.checkpoint_save import Saver, SaveResult, log_saved, saves_sharded
 from trainfsm.machine import ExitReason
-from trainfsm.preemption import DEFAULT_EXIT_SIGNALS, exit_policy
+from trainfsm.options import int_at_least
+from trainfsm.preemption.policy import DEFAULT_EXIT_SIGNALS, exit_policy
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer

@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from trainfsm import arguments as check
+from trainfsm import options as check
 from trainfsm.hooks.stats import StatsHook, TrainingStats, flat
 
 if TYPE_CHECKING:

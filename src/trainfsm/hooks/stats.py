@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm import arguments as check
 from trainfsm import collectives
+from trainfsm import options as check
 from trainfsm.hooks.base import BaseHook
 from trainfsm.utils import key_average
 

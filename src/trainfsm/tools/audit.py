@@ -56,7 +56,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm import segments
 from trainfsm.machine import ExitReason
 from trainfsm.tools.replay import Problem, RankAttempt, Replay
 from trainfsm.tools.report import (
@@ -69,7 +68,8 @@ from trainfsm.tools.report import (
     render,
     since_text,
 )
-from trainfsm.trail import Note, Record, Trail, TrailError, open_trail, read_records
+from trainfsm.trail import files as segments
+from trainfsm.trail.reader import Note, Record, Trail, TrailError, open_trail, read_records
 
 __all__ = ["PROBLEM_KINDS", "RUN_PROBLEM_KINDS", "SCHEMA", "AuditReport", "Problem", "audit", "audit_trail", "render"]
 

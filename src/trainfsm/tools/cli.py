@@ -149,9 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _trail_error() -> type[Exception]:
     """``TrailError``, raised by ``audit``, ``trace`` and ``plot`` on an unreadable trail. An ``except``
-    clause evaluates its expression only when an exception reaches it: ``trainfsm.trail`` (~50 ms)
+    clause evaluates its expression only when an exception reaches it: ``trainfsm.trail.reader`` (~50 ms)
     is imported then, not on every start."""
-    from trainfsm.trail import TrailError
+    from trainfsm.trail.reader import TrailError
 
     return TrailError
 
@@ -256,7 +256,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from trainfsm.checkpoint import CheckpointError
+    from trainfsm.checkpoint.store import CheckpointError
     from trainfsm.tools import inspect_checkpoint
 
     try:

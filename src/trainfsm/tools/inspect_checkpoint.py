@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm.checkpoint import LATEST, MANIFEST, CheckpointError, CheckpointStore, parse_step
+from trainfsm.checkpoint.store import LATEST, MANIFEST, CheckpointError, CheckpointStore, parse_step
 
 #: ``training_state.pt`` keys shown as plain values.
 _SCALARS: Final = ("step", "epoch")
@@ -62,7 +62,7 @@ def inspect(given: Path) -> Inspection:
     parts = {name.removesuffix(".pt"): _load(path / name) for name in manifest["files"] if "/" not in name}
     entries = None
     if manifest.get("sharded"):
-        from trainfsm import sharded
+        from trainfsm.checkpoint import sharded
 
         entries = dict(sharded.read_metadata(path / sharded.SUBDIR).state_dict_metadata)
     return Inspection(path, how, manifest, parts, entries)

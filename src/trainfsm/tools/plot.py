@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm import machine as fsm
-from trainfsm.trail import Note, Record, expand_steps, open_trail
+from trainfsm.trail.reader import Note, Record, expand_steps, open_trail
 
 MISSING_MATPLOTLIB: Final = "trainfsm plot needs matplotlib: pip install 'trainfsm[plot]'"
 

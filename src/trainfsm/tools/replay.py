@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from trainfsm import machine as fsm
-from trainfsm.schema import EXIT_REASONS
-from trainfsm.trail import Record
+from trainfsm.trail.reader import Record
+from trainfsm.trail.schema import EXIT_REASONS
 
 #: The machine's table as the trainer runs it: (trigger, source, dest) rows.
 _TABLE: Final = frozenset(fsm.transition_rows())

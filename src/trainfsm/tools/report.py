@@ -64,7 +64,7 @@ from typing import Any, Final
 
 from trainfsm.machine import ExitReason
 from trainfsm.tools.replay import Problem, RankAttempt
-from trainfsm.trail import Note
+from trainfsm.trail.reader import Note
 
 SCHEMA: Final = "trainfsm.audit/1"
 

@@ -30,7 +30,7 @@ from trainfsm import machine as fsm
 from trainfsm.machine import ExitReason
 from trainfsm.tools.audit import audit_trail
 from trainfsm.tools.report import AttemptReport, AuditReport, group_restart, since_text, verdict
-from trainfsm.trail import Record, open_trail
+from trainfsm.trail.reader import Record, open_trail
 
 DEFAULT_EVENTS: Final = 10
 

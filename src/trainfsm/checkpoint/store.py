@@ -49,17 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm import checkpoint_format, trainloop_checkpoints
-from trainfsm.checkpoint_format import (
-    FORMAT,
-    KEEP_SUFFIX,
-    MANIFEST,
-    READS,
-    CheckpointError,
-    encode_manifest,
-    parse_step,
-)
-from trainfsm.checkpoint_io import (
+from trainfsm.checkpoint import manifest as checkpoint_format
+from trainfsm.checkpoint import trainloop as trainloop_checkpoints
+from trainfsm.checkpoint.io import (
     IO_THREADS,
     DurableWriter,
     Staging,
@@ -68,6 +60,15 @@ from trainfsm.checkpoint_io import (
     fsync_dir,
     serialize,
     write_durable,
+)
+from trainfsm.checkpoint.manifest import (
+    FORMAT,
+    KEEP_SUFFIX,
+    MANIFEST,
+    READS,
+    CheckpointError,
+    encode_manifest,
+    parse_step,
 )
 
 __all__ = [

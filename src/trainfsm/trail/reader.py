@@ -8,7 +8,7 @@ What counts as unreadable (``TrailError``, the commands exit 2) and what is tole
 
 - a missing file, an empty file, a directory without ``logs/events.rank*.jsonl``: unreadable;
 - a rank's trail is its closed segments (``events.rank0.00001.jsonl.gz``, ...) then the file being
-  written, read in that order as one stream, compressed or not (``trainfsm.segments``);
+  written, read in that order as one stream, compressed or not (``trainfsm.trail.files``);
 - a complete line (it ends with a newline) that is not a JSON object carrying the common fields
   (``ts``, ``event``, ``rank``, ``step``, ``state``, ``attempt``): unreadable, naming file and line;
 - a ``run_start`` whose ``format`` is not one of ``READABLE_FORMATS``: unreadable (a newer
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm import segments
 from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
-from trainfsm.schema import FORMAT_VERSION, READABLE_FORMATS, transition_event
+from trainfsm.trail import files as segments
+from trainfsm.trail.schema import FORMAT_VERSION, READABLE_FORMATS, transition_event
 
 try:  # orjson parses a line several times faster than json; both accept the same lines.
     import orjson
@@ -118,11 +118,13 @@ def rank_files(directory: Path) -> list[Path]:
     """The trail of each rank of a workspace (under ``logs/``) or of a logs directory, by rank:
     ``events.rank{R}.jsonl``, the name of the file being written, which stands for the rank's
     closed segments too (it may be missing when only segments are left)."""
-    for candidate in (directory / "logs", directory):
-        ranks = {rank for p in candidate.glob("events.rank*.jsonl*") if (rank := segments.rank_of(p)) is not None}
+    for candidate in (directory / segments.LOGS, directory):
+        ranks = {rank for p in candidate.glob(segments.ANY_FILE) if (rank := segments.rank_of(p)) is not None}
         if ranks:
             return [candidate / segments.active_name(rank) for rank in sorted(ranks)]
-    raise TrailError(f"{directory}: no audit trail here (expected {directory / 'logs' / 'events.rank*.jsonl'})")
+    raise TrailError(
+        f"{directory}: no audit trail here (expected {directory / segments.LOGS / segments.active_name('*')})"
+    )
 
 
 def open_trail(inputs: Iterable[Path]) -> Trail:

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 from trainfsm import collectives
-from trainfsm.checkpoint import Checkpoint, CheckpointError, CheckpointStore
-from trainfsm.checkpoint_io import describe_file
-from trainfsm.events import notice
-from trainfsm.hooks.async_save import BackgroundSaves, stage
+from trainfsm.checkpoint.background import BackgroundSaves, stage
+from trainfsm.checkpoint.io import describe_file
+from trainfsm.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
 from trainfsm.machine import ExitReason
+from trainfsm.trail.writer import notice
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -110,7 +110,7 @@ class Saver:
         state and data position (one collective); then ``_write_sharded``, here or, with a
         ``background``, on its writer thread from a CPU copy of this rank's shards, over a process
         group of its own so that its collectives never meet the training's."""
-        from trainfsm import sharded
+        from trainfsm.checkpoint import sharded
 
         store = self.store
         rank, world = trainer.rank, trainer.world_size
@@ -178,7 +178,7 @@ class Saver:
     def _write_shards_then_rest(
         self, job: ShardedSave, state: dict[str, Any], started: float, group: Any
     ) -> Saved | None:
-        from trainfsm import sharded
+        from trainfsm.checkpoint import sharded
 
         rank, world, tmp = job.rank, job.world, job.tmp
         directory = tmp / sharded.SUBDIR
@@ -246,7 +246,7 @@ def log_saved(trainer: BaseTrainer, saved: Saved, blocked: float | None, world: 
 def saves_sharded(trainer: BaseTrainer, current: dict[str, Any], setting: bool | str) -> bool:
     """Whether CHECKPOINT writes sharded checkpoints (``setting``: the hook's ``sharded``), from
     ``current``, the model state's keys and shapes; decided once in RESTORE, alike on every rank."""
-    from trainfsm.sharded import holds_sharded, is_sharded
+    from trainfsm.checkpoint.sharded import holds_sharded, is_sharded
 
     options = trainer.state_dict_options
     split = holds_sharded(current) and not (options is not None and options.full_state_dict)
@@ -285,7 +285,7 @@ def check_ranks_in_step(ranks: list[dict[str, Any]], step: int) -> None:
 def refuse_sharded(model_state: dict[str, Any]) -> None:
     """Rank 0 writes a full checkpoint alone: a model state split over ranks would save rank 0's
     shards only, and a resume would load them into every rank's shard."""
-    from trainfsm.sharded import is_sharded
+    from trainfsm.checkpoint.sharded import is_sharded
 
     for key, value in model_state.items():
         if is_sharded(value):

@@ -38,7 +38,14 @@ _ACTIVE: Final = re.compile(r"^events\.rank(\d+)\.jsonl$")
 _SEGMENT: Final = re.compile(r"^events\.rank(\d+)\.(\d{5,})\.jsonl(\.gz)?$")
 
 
-def active_name(rank: int) -> str:
+#: A workspace's trail directory (``WORKSPACE/logs``).
+LOGS: Final = "logs"
+#: Every file of every rank's trail, active or closed.
+ANY_FILE: Final = "events.rank*.jsonl*"
+
+
+def active_name(rank: int | str) -> str:
+    """The file rank ``rank`` writes (``"*"``: a pattern that matches every rank's)."""
     return f"events.rank{rank}.jsonl"
 
 

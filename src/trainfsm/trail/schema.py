@@ -1,9 +1,9 @@
 """The audit trail's schema: what the runtime writes and the offline tools read.
 
 One JSON object per line, per rank, in ``WORKSPACE/logs/events.rank{R}.jsonl`` (rotated into
-segments: ``trainfsm.segments``). Every event carries ``ts`` (seconds since the epoch),
+segments: ``trainfsm.trail.files``). Every event carries ``ts`` (seconds since the epoch),
 ``event``, ``rank``, ``step``, ``state``, ``run_id`` and ``attempt``; ``EVENT_FIELDS`` lists each
-event's own fields. The writer is ``trainfsm.events``, the reader ``trainfsm.trail``. No torch and
+event's own fields. The writer is ``trainfsm.trail.writer``, the reader ``trainfsm.trail.reader``. No torch and
 no structlog here: the offline commands import this.
 """
 
@@ -217,8 +217,6 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     ),
 }
 
-#: The trail's forms: routine steps as ``steps`` records, or every transition verbatim (debugging).
-TRAIL_FORMS: Final = ("compact", "full")
 
 #: The ``exit`` event's reasons (``trainer.exit_reason``).
 EXIT_REASONS: Final = tuple(reason.value for reason in ExitReason)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from trainfsm.checkpoint import CheckpointError
+from trainfsm.checkpoint.store import CheckpointError
 from trainfsm.utils import local_part, map_nested_tensor
 
 if TYPE_CHECKING:

@@ -1,15 +1,25 @@
-"""Constructor argument checks: each error names the argument, the value and what is allowed."""
+"""Constructor argument checks and the constants they allow: each error names the argument, the
+value and what is allowed.
+
+The bottom room: it imports nothing of trainfsm's, and torch only inside the checks that need it,
+so that the trail's schema (which the offline commands load without torch) can take its
+``TRAIL_FORMS`` from here.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from trainfsm.step import MIXED_PRECISION_DTYPES
+#: ``mixed_precision``'s values besides None (``trainfsm.step`` maps them to dtypes).
+MIXED_PRECISIONS: Final = ("fp16", "bf16")
+#: The trail's forms: routine steps as ``steps`` records, or every transition verbatim (debugging).
+TRAIL_FORMS: Final = ("compact", "full")
 
 
 def int_at_least(name: str, value: Any, minimum: int) -> int:
@@ -45,14 +55,12 @@ def grad_clip(value: Any) -> float | None:
 
 
 def mixed_precision(value: Any) -> str | None:
-    if not (value is None or isinstance(value, str)) or value not in MIXED_PRECISION_DTYPES:
+    if value is not None and (not isinstance(value, str) or value not in MIXED_PRECISIONS):
         raise ValueError(f"mixed_precision must be one of 'fp16', 'bf16' or None; got {value!r}.")
     return value
 
 
 def trail_form(value: Any) -> str:
-    from trainfsm.schema import TRAIL_FORMS
-
     if not isinstance(value, str) or value not in TRAIL_FORMS:
         raise ValueError(
             f"trail_form must be one of {', '.join(map(repr, TRAIL_FORMS))}; got {value!r}. 'compact' writes "
@@ -72,6 +80,8 @@ def workspace(value: Any) -> Path | None:
 
 
 def device(value: Any) -> torch.device:
+    import torch
+
     if value is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from trainfsm.checkpoint import CheckpointError
+from trainfsm.checkpoint.store import CheckpointError
 
 SUBDIR: Final = "sharded"
 METADATA: Final = ".metadata"

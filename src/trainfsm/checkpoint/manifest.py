@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import torch
 
-from trainfsm.checkpoint_io import CHECKSUMS, file_sums
+from trainfsm.checkpoint.io import CHECKSUMS, file_sums
 
 MANIFEST: Final = "manifest.json"
 KEEP_SUFFIX: Final = "_keep"

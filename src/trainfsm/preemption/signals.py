@@ -1,7 +1,7 @@
 """The signal handlers of one ``train()``: install, record, hold until the exit policy is known,
 pass on what it does not name, restore; and, under torchrun, the parent-death signal.
 
-``trainfsm.preemption.Preemption`` owns a ``SignalWatcher`` and decides what an arrival means; this
+``trainfsm.preemption.policy.Preemption`` owns a ``SignalWatcher`` and decides what an arrival means; this
 module only records. A scheduler's signal can arrive at any instant (inside a kernel launch, a
 checkpoint write, a collective), so the handler does no I/O, takes no lock and starts no
 collective: it records which signal came, when, at which step and in which state.
@@ -28,9 +28,10 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import FrameType
 from typing import Any, Final
+
+from trainfsm.preemption.torchelastic import is_worker, under_torchrun
 
 #: Held from the first line of ``train()`` until the exit policy is known: the signals schedulers
 #: send before a kill (SLURM's ``--signal``, ``scancel``, preemption, torchrun's forwarding).
@@ -38,15 +39,6 @@ HELD_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGTERM, signal.SIGUSR
 
 #: Reported at ``run_start`` when ignored, blocked or pending as ``train()`` begins.
 REPORTED_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGHUP, signal.SIGINT, *HELD_SIGNALS)
-
-
-#: Set by torchrun's agent in every worker's environment, and only there.
-_TORCHRUN_WORKER: Final = "TORCHELASTIC_RESTART_COUNT"
-
-
-def under_torchrun() -> bool:
-    """Whether this process is a worker that torchrun's agent started."""
-    return _TORCHRUN_WORKER in os.environ
 
 
 _PR_SET_PDEATHSIG: Final = 1
@@ -100,10 +92,7 @@ def stop_launcher_at_exit(sig: signal.Signals) -> int | None:
     if not under_torchrun():
         return None
     agent = os.getppid()
-    try:  # the agent itself runs without torchrun's worker variables; a wrapper of ours has them
-        if f"{_TORCHRUN_WORKER}=".encode() in Path(f"/proc/{agent}/environ").read_bytes():
-            return None
-    except OSError:
+    if is_worker(agent) is not False:  # the agent runs without torchrun's worker variables
         return None
     atexit.register(_signal_launcher, agent, int(sig))
     return agent

@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm.checkpoint_format import MANIFEST, CheckpointError, load_file
+from trainfsm.checkpoint.manifest import MANIFEST, CheckpointError, load_file
 
 #: The files every trainloop checkpoint has.
 FILES: Final = ("model.pt", "training_state.pt")

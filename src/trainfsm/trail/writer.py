@@ -1,5 +1,5 @@
 """The audit trail's writer: ``EventLog``, one JSON object per line, per rank (the schema, the
-event names and their fields, is ``trainfsm.schema``; the reader ``trainfsm.trail``).
+event names and their fields, is ``trainfsm.trail.schema``; the reader ``trainfsm.trail.reader``).
 
 The library never calls ``structlog.configure()``: that is the application's business. It wraps its
 own sink with its own processors instead, so a user's structlog setup is untouched. People get a
@@ -16,7 +16,7 @@ What a process killed outright (SIGKILL, the OOM killer, a lost node) loses is b
 non-transition event flushes the file, and at each step's end whatever was recorded is written
 out once ``FLUSH_SECONDS`` passed since the last write. The trail is at most one step behind the
 step in flight, or under a second behind the kill for shorter steps (``tests/faults/trail_lag.py``
-measures it). The file rotates into compressed segments (``trainfsm.segments``).
+measures it). The file rotates into compressed segments (``trainfsm.trail.files``).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import IO, Any, Final
 
 import structlog
 
-from trainfsm import segments
 from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
-from trainfsm.schema import transition_event
+from trainfsm.trail import files as segments
+from trainfsm.trail.schema import transition_event
 
 try:  # orjson renders an event ~5x faster than json; both give the same JSON lines.
     import orjson

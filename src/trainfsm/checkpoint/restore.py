@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm import collectives, trainloop_checkpoints
-from trainfsm.checkpoint import TRAINFSM, TRAINLOOP, CheckpointError, CheckpointStore, foreign_in_the_way
-from trainfsm.events import notice
+from trainfsm import collectives
+from trainfsm.checkpoint import trainloop as trainloop_checkpoints
+from trainfsm.checkpoint.store import TRAINFSM, TRAINLOOP, CheckpointError, CheckpointStore, foreign_in_the_way
+from trainfsm.trail.writer import notice
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -51,7 +52,7 @@ def model_shapes(trainer: BaseTrainer) -> dict[str, Any]:
     gather, and a full one with cpu_offload=True is empty on every rank but 0."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from trainfsm.sharded import sharded_view
+    from trainfsm.checkpoint.sharded import sharded_view
 
     return get_model_state_dict(trainer.model, options=sharded_view(trainer.state_dict_options))  # type: ignore[arg-type]
 
@@ -198,7 +199,7 @@ def _load_sharded(
     world size that saved them), then the rest through ``trainer.load_state_dict``."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from trainfsm import sharded
+    from trainfsm.checkpoint import sharded
 
     directory = path / sharded.SUBDIR
     check_fits(path, current, sharded.saved_shapes(sharded.read_metadata(directory)))

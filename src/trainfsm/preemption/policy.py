@@ -25,7 +25,7 @@ with ``loss_none_agreement=True``, it rides on the all-reduce that agrees on eac
 before its backward.
 
 How the signals are held from the first line of ``train()`` until the policy is known, and
-passed on when it does not name them: ``trainfsm.signals``.
+passed on when it does not name them: ``trainfsm.preemption.signals``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from trainfsm import collectives, slurm
+from trainfsm import collectives
 from trainfsm.collectives import SignalAgreement
-from trainfsm.signals import (
+from trainfsm.preemption import slurm
+from trainfsm.preemption.signals import (
     HELD_SIGNALS,
     REPORTED_SIGNALS,
     Received,
@@ -48,8 +49,8 @@ from trainfsm.signals import (
     restore_launcher_death,
     state_at_start,
     stop_launcher_at_exit,
-    under_torchrun,
 )
+from trainfsm.preemption.torchelastic import under_torchrun
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
     from trainfsm.collectives import LossNoneAgreement
     from trainfsm.hooks.base import BaseHook
 
-# The handlers' names stay importable from here, where they lived before ``trainfsm.signals``.
+# The handlers' names stay importable from here, where they lived before ``trainfsm.preemption.signals``.
 __all__ = [
     "DEFAULT_EXIT_SIGNALS",
     "HELD_SIGNALS",

@@ -1,0 +1,44 @@
+"""Checkpoints: everything ``CheckpointingHook`` uses to save and load them, in one room.
+
+- ``store``: one directory per step, written atomically (temporary directory, fsyncs, manifest
+  last, rename, ``latest``), listed, verified and pruned;
+- ``manifest``: what a complete checkpoint holds and the checks made before a byte is unpickled;
+- ``io``: how bytes reach the disk fast (staging buffers, ``O_DIRECT``, checksums on the way);
+- ``sharded``: DCP for model and optimizer states split over ranks;
+- ``trainloop``: checkpoints that trainloop wrote, read as they are;
+- ``save``, ``restore``, ``background``: what a checkpoint holds and which rank writes what, which
+  checkpoint loads and how its state gets back, and the writer thread of ``async_save=True``.
+
+Nothing here imports the trainer, the run or a hook at run time. The store's public names are
+here as well: ``from trainfsm.checkpoint import CheckpointStore`` is the documented path.
+"""
+
+from trainfsm.checkpoint.store import (
+    FORMAT,
+    KEEP_SUFFIX,
+    LATEST,
+    MANIFEST,
+    READS,
+    TMP_PREFIX,
+    TRAINFSM,
+    TRAINLOOP,
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    parse_step,
+)
+
+__all__ = [
+    "FORMAT",
+    "KEEP_SUFFIX",
+    "LATEST",
+    "MANIFEST",
+    "READS",
+    "TMP_PREFIX",
+    "TRAINFSM",
+    "TRAINLOOP",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointStore",
+    "parse_step",
+]
