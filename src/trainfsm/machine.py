@@ -25,7 +25,7 @@ on_log, on_log_images  whenever ``trainer.log()`` / ``trainer.log_images()`` is 
 ====================== ==============================================================================
 
 Why a compiled event: ``transitions`` resolves callbacks and walks its generic pipeline on every
-trigger (~8-10 µs here), which alone is several percent of a small training step. ``CompiledEvent``
+trigger, which alone is several percent of a small training step (docs/guides/performance.md). ``CompiledEvent``
 keeps transitions' semantics and order (prepare -> conditions -> before -> exit -> state change ->
 enter -> after) but resolves each (trigger, source) pair's callbacks once, when ``compile_events``
 is called after all callbacks are registered. It refuses what it does not cover (conditions,
@@ -131,8 +131,9 @@ ROUTINE_START: Final = ("micro", STEP, ACCUMULATE)
 ROUTINE_NEXT: Final = ("micro", ACCUMULATE, ACCUMULATE)
 ROUTINE_END: Final = ("stepped", ACCUMULATE, STEP)
 
-#: Seed hook methods bound to transitions: method -> (callback list, trigger, source).
-#: ``on_before_step`` and ``on_after_train`` are state entries and are bound as such.
+#: Where the seed hook methods fire: method -> (callback list, trigger, source) of the transitions
+#: they run just before, and state entries. The trainer calls them through its dispatcher
+#: (``trainfsm.run.Hooks``) at those places; ``tests/test_machine.py`` checks a run against this.
 HOOKS_ON_TRANSITIONS: Final[dict[str, tuple[tuple[str, str, str], ...]]] = {
     "on_before_train": (("before", "restored", RESTORE), ("before", "finish", RESTORE)),
     "on_after_step": (
@@ -145,6 +146,29 @@ HOOKS_ON_STATES: Final[dict[str, tuple[str, str]]] = {
     "on_before_step": ("enter", STEP),
     "on_after_train": ("enter", EXIT),
 }
+
+
+def step_end_reason(*, preempted: bool, stop: bool, last: bool) -> ExitReason | None:
+    """Why the run ends after an applied step, or None when it goes on: an exit signal the ranks
+    agreed on outranks a hook's ``wants_stop``, which outranks reaching ``max_steps`` (``last``)."""
+    if preempted:
+        return ExitReason.PREEMPTED
+    if stop:
+        return ExitReason.STOPPED
+    return ExitReason.COMPLETED if last else None
+
+
+def step_end_trigger(reason: ExitReason | None, *, save: bool) -> str:
+    """How ACCUMULATE is left after an applied step: ``save`` when a hook wants a checkpoint
+    (CHECKPOINT then decides, ``checkpoint_trigger``), ``finish`` when the run ends, else ``stepped``."""
+    if save:
+        return "save"
+    return "finish" if reason is not None else "stepped"
+
+
+def checkpoint_trigger(reason: ExitReason | None) -> str:
+    """How CHECKPOINT is left: ``finish`` when the run ends, ``resume`` for the next step."""
+    return "finish" if reason is not None else "resume"
 
 
 def transition_rows() -> list[tuple[str, str, str]]:
@@ -216,29 +240,10 @@ def _plan(
     before: tuple[Callable[[], Any], ...],
     after: tuple[Callable[[], Any], ...],
 ) -> Callable[[], bool]:
-    """One transition's callbacks as one callable; the common shapes (nothing before the state
-    change, one or two callbacks after it: the routine step's rows) without a loop."""
-    if not before and len(after) == 1:
-        (only,) = after
+    """One transition's callbacks as one callable: those before the state change, the change,
+    those after it (the audit event first)."""
 
-        def one_after() -> bool:
-            setattr(model, attribute, dest)
-            only()
-            return True
-
-        return one_after
-    if not before and len(after) == 2:
-        first, second = after
-
-        def two_after() -> bool:
-            setattr(model, attribute, dest)
-            first()
-            second()
-            return True
-
-        return two_after
-
-    def any_shape() -> bool:
+    def run() -> bool:
         for callback in before:
             callback()
         setattr(model, attribute, dest)
@@ -246,7 +251,7 @@ def _plan(
             callback()
         return True
 
-    return any_shape
+    return run
 
 
 class TrainMachine(Machine):

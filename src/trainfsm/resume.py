@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from trainfsm.data_state import DataCursor
+    from trainfsm.run import Hooks
     from trainfsm.trainer import BaseTrainer
 
 
@@ -30,7 +31,7 @@ def built(trainer: BaseTrainer, method: str) -> tuple[nn.Module, torch.optim.Opt
     return trainer.model, trainer.optimizer
 
 
-def capture(trainer: BaseTrainer, options: Any, data: DataCursor) -> dict[str, Any]:
+def capture(trainer: BaseTrainer, options: Any, data: DataCursor, hooks: Hooks) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, optimizer = built(trainer, "state_dict")
@@ -46,14 +47,15 @@ def capture(trainer: BaseTrainer, options: Any, data: DataCursor) -> dict[str, A
         "step": trainer.step,
         "epoch": trainer.epoch,
     }
-    for hook in trainer.hooks:
-        hook.on_state_dict(trainer, state)
+    hooks.state_dict(state)
     # Last: the random streams as they stand once everything above ran.
     state["rank_state"] = {"rng": rng.capture(), "data": data.state(), "loss_none_skips": trainer.loss_none_skips}
     return state
 
 
-def restore(trainer: BaseTrainer, options: Any, data: DataCursor, state: dict[str, Any], data_resume: str) -> None:
+def restore(
+    trainer: BaseTrainer, options: Any, data: DataCursor, state: dict[str, Any], data_resume: str, hooks: Hooks
+) -> None:
     model, optimizer = built(trainer, "load_state_dict")
     options = options if options is not None else trainer.state_dict_options
     # The scheduler before the optimizer: a scheduler's load may write its view of the learning
@@ -67,8 +69,7 @@ def restore(trainer: BaseTrainer, options: Any, data: DataCursor, state: dict[st
         scaler.load_state_dict(state["grad_scaler"])
     trainer.step = int(state["step"])
     trainer.epoch = int(state.get("epoch", 0))
-    for hook in trainer.hooks:
-        hook.on_load_state_dict(trainer, state)
+    hooks.load_state_dict(state)
     mine = state.get("rank_state")
     if mine is not None and data_resume == "none":
         rng.restore(mine["rng"])

@@ -1,9 +1,31 @@
-"""One call of ``train()``: the state its machine's states share, and the trail's first record.
+"""One call of ``train()``: the state its machine's states share, the hook dispatcher, and the
+trail's first record.
 
 ``BaseTrainer`` keeps what the user configured and what users' code reads (``step``,
 ``step_info``, ``exit_reason``, the built components); everything that exists only while
 ``train()`` runs lives in one ``Run``, created by ``train()``, so no attribute appears on the
 trainer after ``__init__``.
+
+``Hooks`` is where every hook method is called: one method per event, each calling only the hooks
+that override it, in the order of ``build_hooks()``. When each event happens:
+
+=========================  =====================================================================
+``before_train``           RESTORE is done (resumed or fresh), just before ``restored`` (or
+                           ``finish`` when the checkpoint is already at ``max_steps``)
+``before_step``            entering STEP, once ``trainer.step`` is the step about to run
+``before_optimizer_step``  a step's last micro-batch: after unscale and clip, before ``optimizer.step()``
+``evaluate``               after the optimizer step, before anything is decided
+``step_info``              then every hook adds its figures of the step to ``trainer.step_info``
+``stop_wanted``            then: does a hook end the run (``wants_stop``: ``stopped``)?
+``checkpoint_wanted``      then, with ``trainer.exit_reason`` decided: does a hook want CHECKPOINT?
+``after_step``             last, just before ACCUMULATE is left by ``stepped``, ``save`` or ``finish``
+``after_train``            entering EXIT, however the run ends; a failing hook does not stop the others
+``state_dict``             inside ``trainer.state_dict()`` / ``load_state_dict()``
+``log``, ``log_images``    inside ``trainer.log()`` / ``log_images()``
+=========================  =====================================================================
+
+A hook's ``on_enter_<state>`` / ``on_exit_<state>`` methods are bound to the machine's states
+(``bind_states``), after the dispatcher's own work on that state's entry.
 """
 
 from __future__ import annotations
@@ -22,7 +44,7 @@ import torch
 from trainfsm import collectives
 from trainfsm import machine as fsm
 from trainfsm.collectives import failed_collective
-from trainfsm.hooks.base import BaseHook, bindings, overrides
+from trainfsm.hooks.base import BaseHook, overrides
 from trainfsm.machine import ExitReason
 from trainfsm.preemption import slurm, torchelastic
 from trainfsm.preemption.policy import Preemption
@@ -40,22 +62,132 @@ if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
 
 
+class Hooks:
+    """Every call of a hook method (see the module's docstring for when each happens)."""
+
+    def __init__(self, trainer: BaseTrainer, hooks: list[BaseHook]) -> None:
+        self.trainer = trainer
+        self.hooks = tuple(hooks)
+
+        def overriding(name: str) -> tuple[BaseHook, ...]:  # BaseHook's no-ops are never called
+            return tuple(hook for hook in hooks if overrides(hook, name))
+
+        self._before_train = overriding("on_before_train")
+        self._before_step = overriding("on_before_step")
+        self._before_optimizer_step = overriding("on_before_optimizer_step")
+        self._evaluate = overriding("on_evaluate")
+        self._step_info = overriding("on_step_info")
+        self._wants_stop = overriding("wants_stop")
+        self._wants_checkpoint = overriding("wants_checkpoint")
+        self._after_step = overriding("on_after_step")
+        self._after_train = overriding("on_after_train")
+        self._state_dict = overriding("on_state_dict")
+        self._load_state_dict = overriding("on_load_state_dict")
+        # BaseHook.on_log calls on_log_scalars (the other published spelling): either counts.
+        self._log = tuple(hook for hook in hooks if overrides(hook, "on_log") or overrides(hook, "on_log_scalars"))
+        self._log_images = overriding("on_log_images")
+        #: Whether a step's end has anything to ask or evaluate (most runs: only wants_checkpoint).
+        self.at_step_end = bool(self._evaluate or self._step_info or self._wants_stop)
+
+    def before_train(self) -> None:
+        trainer = self.trainer
+        for hook in self._before_train:
+            hook.on_before_train(trainer)
+
+    def before_step(self) -> None:
+        trainer = self.trainer
+        for hook in self._before_step:
+            hook.on_before_step(trainer)
+
+    def before_optimizer_step(self) -> None:
+        trainer = self.trainer
+        for hook in self._before_optimizer_step:
+            hook.on_before_optimizer_step(trainer)
+
+    def evaluate(self) -> None:
+        trainer = self.trainer
+        for hook in self._evaluate:
+            hook.on_evaluate(trainer)
+
+    def step_info(self, info: StepInfo) -> None:
+        trainer = self.trainer
+        for hook in self._step_info:
+            hook.on_step_info(trainer, info)
+
+    def stop_wanted(self) -> bool:
+        """Whether a hook ends the run; the first yes decides (later hooks are not asked)."""
+        trainer = self.trainer
+        return any(hook.wants_stop(trainer) for hook in self._wants_stop)
+
+    def checkpoint_wanted(self) -> bool:
+        """Whether a hook wants this step checkpointed; the first yes decides."""
+        trainer = self.trainer
+        return any(hook.wants_checkpoint(trainer) for hook in self._wants_checkpoint)
+
+    def after_step(self) -> None:
+        trainer = self.trainer
+        for hook in self._after_step:
+            hook.on_after_step(trainer)
+
+    def after_train(self, failed: Callable[[Exception], None]) -> None:
+        """EXIT always completes: a hook's failure goes to ``failed`` and the next hook runs."""
+        trainer = self.trainer
+        for hook in self._after_train:
+            try:
+                hook.on_after_train(trainer)
+            except Exception as exc:
+                failed(exc)
+
+    def state_dict(self, state: dict[str, Any]) -> None:
+        trainer = self.trainer
+        for hook in self._state_dict:
+            hook.on_state_dict(trainer, state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        trainer = self.trainer
+        for hook in self._load_state_dict:
+            hook.on_load_state_dict(trainer, state)
+
+    def log(self, records: dict[str, Any], dry_run: bool) -> None:
+        trainer = self.trainer
+        for hook in self._log:
+            hook.on_log(trainer, records, dry_run)
+
+    def log_images(self, records: dict[str, Any], dry_run: bool) -> None:
+        trainer = self.trainer
+        for hook in self._log_images:
+            hook.on_log_images(trainer, records, dry_run)
+
+    def bind_states(
+        self, machine: Machine, guarded: Callable[[Callable[[], Any]], None], last: Callable[[], None]
+    ) -> None:
+        """Bind each hook's ``on_enter_<state>`` / ``on_exit_<state>`` to the machine, in hook
+        order; EXIT's guarded (recorded, raised at the end) and before ``last``, EXIT's own work."""
+        trainer = self.trainer
+        for hook in self.hooks:
+            for name, kind, state in fsm.state_hook_names():
+                method = getattr(hook, name, None)
+                if method is None:
+                    continue
+                callback = partial(method, trainer)
+                if state == fsm.EXIT:
+                    fsm.bind(machine, kind, state, partial(guarded, callback), before=last)
+                else:
+                    fsm.bind(machine, kind, state, callback)
+
+
 @dataclass(slots=True, eq=False)
 class Run:
     machine: Machine
     event_log: EventLog  # the trail's writer; its logger is trainer.events
     preemption: Preemption
     logs: Path | None  # the workspace's logs directory (the trail), None without a workspace
+    hooks: Hooks  # the built hooks' dispatcher (none before BUILD builds them)
     # Set in BUILD.
     stepper: Stepper | None = None
     agreement: LossNoneAgreement | None = None  # loss_none_agreement with several ranks
     warn_loss_none: bool = False  # the model is a DDP/FSDP wrapper
-    before_optimizer_step: list[Callable[[], None]] = field(default_factory=list)
-    evaluators: list[Callable[[], None]] = field(default_factory=list)
-    step_info_writers: list[Callable[[StepInfo], None]] = field(default_factory=list)
-    checkpoint_askers: list[Callable[[], bool]] = field(default_factory=list)
-    stop_askers: list[Callable[[], bool]] = field(default_factory=list)
-    step_end_hooks: bool = False  # any of the three lists above is not empty
+    triggers: dict[str, Callable[[], bool]] = field(default_factory=dict)  # name -> the compiled trigger
     # The step in flight (reset as it begins; a retry resets micro, losses and records).
     micro: int = 0
     retries: int = 0
@@ -74,35 +206,24 @@ class Run:
         self.step_start = time.perf_counter()
 
     def bind_hooks(self, trainer: BaseTrainer, hooks: list[BaseHook], finish_exit: Callable[[], None]) -> None:
-        """Bind each hook's overridden methods, in list order, after the trainer's own bookkeeping
-        (bound before BUILD); collect the ones the trainer calls itself at a step's end."""
-        m = self.machine
-        self.before_optimizer_step = [
-            partial(h.on_before_optimizer_step, trainer) for h in hooks if overrides(h, "on_before_optimizer_step")
-        ]
-        self.evaluators = [partial(h.on_evaluate, trainer) for h in hooks if overrides(h, "on_evaluate")]
-        self.step_info_writers = [partial(h.on_step_info, trainer) for h in hooks if overrides(h, "on_step_info")]
-        self.checkpoint_askers = [
-            partial(h.wants_checkpoint, trainer) for h in hooks if overrides(h, "wants_checkpoint")
-        ]
-        self.stop_askers = [partial(h.wants_stop, trainer) for h in hooks if overrides(h, "wants_stop")]
-        self.step_end_hooks = bool(self.evaluators or self.step_info_writers or self.stop_askers)
-        for hook in hooks:
-            for kind, target, method in bindings(hook):
-                callback = partial(method, trainer)
-                if target == fsm.EXIT:  # EXIT always completes: hook failures are recorded, then raised
-                    fsm.bind(m, kind, target, partial(self.guarded, callback), before=finish_exit)
-                else:
-                    fsm.bind(m, kind, target, callback)
-        m.compile_events(trainer, self.event_log.transition_recorder)
+        """The built hooks' dispatcher, their state methods bound, the machine compiled again, and
+        the triggers by name (the step's end picks one by name: ``fsm.step_end_trigger``)."""
+        self.hooks = Hooks(trainer, hooks)
+        self.hooks.bind_states(self.machine, self.guarded, finish_exit)
+        self.machine.compile_events(trainer, self.event_log.transition_recorder)
+        self.triggers = {name: getattr(trainer, name) for name in fsm.TRIGGERS}
 
     def guarded(self, callback: Callable[[], Any]) -> None:
         """Run an EXIT callback; a failure is recorded and raised after EXIT's work is done."""
         try:
             callback()
         except Exception as exc:
-            self.event_log.exception(exc)
-            self.exit_errors.append(exc)
+            self.failed(exc)
+
+    def failed(self, exc: Exception) -> None:
+        """A failure of EXIT's work: recorded now, raised once EXIT is done."""
+        self.event_log.exception(exc)
+        self.exit_errors.append(exc)
 
     def record_failure(self, trainer: BaseTrainer, exc: BaseException) -> None:
         """``exc`` is leaving ``train()``: record it, and take the machine to EXIT by ``fail``

@@ -1,10 +1,13 @@
-"""``BaseTrainer``: the user's contract, ``train()``, and one ``_run_<state>`` per state.
+"""``BaseTrainer``: the user's contract, ``train()``, and one method per state.
 
-Each ``_run_<state>`` does its state's work and returns the trigger to fire next; ``train()``
-alternates the two until EXIT. Hooks, the trainer's own bookkeeping and the audit events are
-callbacks on the machine (``trainfsm.machine`` says what fires where). What a run needs while it
-runs is in ``trainfsm.run.Run``; preemption in ``trainfsm.preemption.policy``; the data position in
-``trainfsm.data_state.DataCursor``; the tensor work of a step in ``trainfsm.step.Stepper``.
+Each state's method (``_build``, ``_restore``, ``_step``, ``_accumulate``, ``_retry``,
+``_checkpoint``: the table in ``_drive``) does its state's work and returns the trigger to
+fire next; ``train()`` alternates the two until EXIT. Hook methods are called by the dispatcher
+(``trainfsm.run.Hooks``), from these methods and from the two state entries the trainer binds
+(``_begin_step``, ``_enter_exit``); the audit events are recorded by the machine's transitions.
+What a run needs while it runs is in ``trainfsm.run.Run``; preemption in
+``trainfsm.preemption``; the data position in ``trainfsm.data_state.DataCursor``; the tensor work
+of a step in ``trainfsm.step.Stepper``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from trainfsm.data_state import EXHAUSTED, DataCursor
 from trainfsm.hooks.base import BaseHook
 from trainfsm.machine import ExitReason
 from trainfsm.preemption.policy import ExitPolicy, Preemption, exit_policy
-from trainfsm.run import Run, open_trail
+from trainfsm.run import Hooks, Run, open_trail
 from trainfsm.step import Stepper, retries_used_up
 from trainfsm.step_info import StepInfo
 from trainfsm.torch_workarounds import import_collectives_before_any_group, warn_if_group_kept_alive
@@ -226,29 +229,35 @@ class BaseTrainer(fsm.Triggers):
         self._trained = True
         preemption = Preemption(self.exit_policy, self)  # first of all: no exit signal is lost from here on
         try:
-            self._run_machine(preemption)
+            self._drive(preemption)
         finally:
             preemption.stop()
 
-    def _run_machine(self, preemption: Preemption) -> None:
+    def _drive(self, preemption: Preemption) -> None:
         machine = fsm.build_machine(self)
         event_log, logs = open_trail(self, preemption)
-        run = self._run = Run(machine, event_log, preemption, logs)
+        run = self._run = Run(machine, event_log, preemption, logs, Hooks(self, []))
         # The trainer's own bookkeeping is bound (and the machine compiled) before any user code
         # runs, so that a failure in BUILD is recorded like any other: transition, exception, exit.
         fsm.bind(machine, "enter", fsm.STEP, self._begin_step)
+        fsm.bind(machine, "enter", fsm.EXIT, self._enter_exit)
         fsm.bind(machine, "enter", fsm.EXIT, self._finish_exit)
         machine.compile_events(self, event_log.transition_recorder)
-        # One _run_<state> per state: what the state does, returning the trigger that leaves it.
-        runs: dict[str, Callable[[], Callable[[], bool] | None]] = {
-            state: getattr(self, f"_run_{state.lower()}") for state in fsm.STATES if state != fsm.EXIT
+        # What each state does, returning the trigger that leaves it (None: EXIT, the end).
+        work: dict[str, Callable[[], Callable[[], bool] | None]] = {
+            fsm.BUILD: self._build,
+            fsm.RESTORE: self._restore,
+            fsm.STEP: self._step,
+            fsm.ACCUMULATE: self._accumulate,
+            fsm.RETRY: self._retry,
+            fsm.CHECKPOINT: self._checkpoint,
+            fsm.EXIT: lambda: None,
         }
-        runs[fsm.EXIT] = lambda: None
         try:
-            trigger = runs[self.state]()
+            trigger = work[self.state]()
             while trigger is not None:
                 trigger()
-                trigger = runs[self.state]()
+                trigger = work[self.state]()
         except BaseException as exc:
             run.record_failure(self, exc)
             raise
@@ -261,7 +270,7 @@ class BaseTrainer(fsm.Triggers):
             raise run.exit_errors[0]
 
     # ---------------------------------------------------------------- states
-    def _run_build(self) -> Callable[[], bool]:
+    def _build(self) -> Callable[[], bool]:
         run = self._run
         assert run is not None
         if self.world_size > 1 and self.loss_none_agreement:  # first: it may create a gloo group
@@ -282,17 +291,23 @@ class BaseTrainer(fsm.Triggers):
         run.bind_hooks(self, self.hooks, self._finish_exit)
         return self._preempted_before_training() or self.built
 
-    def _run_restore(self) -> Callable[[], bool]:
+    def _restore(self) -> Callable[[], bool]:
         # Hooks (the checkpoint hook) restored state in on_enter_restore.
+        run: Run = self._run  # type: ignore[assignment]
         self.events.info("restore", resumed=self.step > 0, from_step=self.step)
         if self.step >= self.max_steps:  # resumed from a finished run: nothing left to do
             self.exit_reason, self.exit_code = ExitReason.COMPLETED, 0
+            run.hooks.before_train()
             return self.finish  # a signal now is recorded in EXIT: the run is complete, no requeue
         resumed = self._data.start()
         if resumed is not None:  # how the position was found and what it cost: a replay grows with it
             self.events.info("data_resumed", epoch=self.epoch, **resumed.as_event())
         # Checked last: a signal while the checkpoint loaded or the data was positioned counts.
-        return self._preempted_before_training() or self.restored
+        preempted = self._preempted_before_training()
+        if preempted is not None:
+            return preempted
+        run.hooks.before_train()
+        return self.restored
 
     def _begin_step(self) -> None:
         self.step += 1
@@ -300,11 +315,12 @@ class BaseTrainer(fsm.Triggers):
         run: Run = self._run  # type: ignore[assignment]
         run.new_step()
         run.preemption.step_began()
+        run.hooks.before_step()
 
-    def _run_step(self) -> Callable[[], bool]:
+    def _step(self) -> Callable[[], bool]:
         return self.micro
 
-    def _run_accumulate(self) -> Callable[[], bool]:
+    def _accumulate(self) -> Callable[[], bool]:
         run: Run = self._run  # type: ignore[assignment]
         t0 = perf_counter()
         batch = self._data.next()
@@ -335,8 +351,8 @@ class BaseTrainer(fsm.Triggers):
         info = self.step_info
         if grad_norm is not None:
             info["grad_norm"] = grad_norm
-        for callback in run.before_optimizer_step:
-            callback()
+        hooks = run.hooks
+        hooks.before_optimizer_step()
         stepper.apply(finite)
         # trainloop's layout: per micro-batch lists (detached losses, records, data times; no
         # averaging here, so no kernel and no sync), the step's time and its retry count.
@@ -348,20 +364,18 @@ class BaseTrainer(fsm.Triggers):
         # The decision point: evaluations first, then the questions; a signal that arrives during
         # them is read after and honoured at this step (with one rank).
         stop = False
-        if run.step_end_hooks:
-            for evaluate in run.evaluators:
-                evaluate()
-            for write in run.step_info_writers:  # before any on_after_step reads the step's figures
-                write(info)
-            stop = any(ask() for ask in run.stop_askers)
+        if hooks.at_step_end:
+            hooks.evaluate()
+            hooks.step_info(info)  # before any on_after_step reads the step's figures
+            stop = hooks.stop_wanted()
         code = run.preemption.at_step_end(self.step)
-        if code is not None:
-            self.exit_reason, self.exit_code = ExitReason.PREEMPTED, code
-        elif stop or self.step >= self.max_steps:
-            self.exit_reason, self.exit_code = (ExitReason.STOPPED if stop else ExitReason.COMPLETED), 0
-        if run.checkpoint_askers and any(ask() for ask in run.checkpoint_askers):
-            return self.save
-        return self.finish if self.exit_reason else self.stepped
+        reason = fsm.step_end_reason(preempted=code is not None, stop=stop, last=self.step >= self.max_steps)
+        if reason is not None:
+            self.exit_reason, self.exit_code = reason, code if code is not None else 0
+        # Asked once the exit reason is known: CheckpointingHook saves the last step of any run.
+        trigger = run.triggers[fsm.step_end_trigger(reason, save=hooks.checkpoint_wanted())]
+        hooks.after_step()
+        return trigger
 
     def _preempted_before_training(self) -> Callable[[], bool] | None:
         """A signal during BUILD or RESTORE: nothing worth saving exists yet; leave by ``preempt``."""
@@ -384,7 +398,7 @@ class BaseTrainer(fsm.Triggers):
         self.step -= 1  # after the event, which belongs to the step that began; see fsm.STEP_TAKEN_BACK
         return self.exhausted
 
-    def _run_retry(self) -> Callable[[], bool]:
+    def _retry(self) -> Callable[[], bool]:
         run: Run = self._run  # type: ignore[assignment]
         run.stepper.discard()  # type: ignore[union-attr]
         limit = self.max_non_finite_grad_retries
@@ -396,9 +410,14 @@ class BaseTrainer(fsm.Triggers):
         run.losses, run.records = [], []  # the retried micro-batches' data times stay: spent in this step
         return self.retry
 
-    def _run_checkpoint(self) -> Callable[[], bool]:
+    def _checkpoint(self) -> Callable[[], bool]:
         # The checkpoint hook saved in on_enter_checkpoint; leave for good or for the next step.
-        return self.finish if self.exit_reason else self.resume
+        run: Run = self._run  # type: ignore[assignment]
+        return run.triggers[fsm.checkpoint_trigger(self.exit_reason)]
+
+    def _enter_exit(self) -> None:
+        run: Run = self._run  # type: ignore[assignment]
+        run.hooks.after_train(run.failed)
 
     def _finish_exit(self) -> None:
         run: Run = self._run  # type: ignore[assignment]
@@ -427,13 +446,13 @@ class BaseTrainer(fsm.Triggers):
         ``on_state_dict``. The trainer's own: ``step``, ``epoch``, and ``rank_state``, this rank's
         random streams, data position and loss=None skip count (a checkpoint keeps every rank's).
         ``options``: torch's ``StateDictOptions`` for this call, else ``state_dict_options``."""
-        return resume.capture(self, options, self._data)
+        return resume.capture(self, options, self._data, self._hooks())
 
     def load_state_dict(self, state: dict[str, Any], options: Any = None, data_resume: str = "auto") -> None:
         """The inverse of ``state_dict``. A ``rank_state`` entry (this rank's, or rank 0's on
         another world size) puts the random streams back and has RESTORE position the data
         iterator as ``data_resume`` says (``trainfsm.data_state``; "none": a fresh iterator)."""
-        resume.restore(self, options, self._data, state, data_resume)
+        resume.restore(self, options, self._data, state, data_resume, self._hooks())
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """``model`` without its wrappers: ``torch.compile``, DDP, FSDP, ... (``trainfsm.unwrap``)."""
@@ -448,12 +467,15 @@ class BaseTrainer(fsm.Triggers):
 
     def log(self, records: dict[str, Any], dry_run: bool = False) -> None:
         """Pass figures to every hook's ``on_log`` (W&B, TensorBoard, ...). Also ``log_scalars``."""
-        for hook in self.hooks:
-            hook.on_log(self, records, dry_run)
+        self._hooks().log(records, dry_run)
 
     log_scalars = log  # the other published spelling
 
     def log_images(self, records: dict[str, Any], dry_run: bool = False) -> None:
         """Pass images to every hook's ``on_log_images``."""
-        for hook in self.hooks:
-            hook.on_log_images(self, records, dry_run)
+        self._hooks().log_images(records, dry_run)
+
+    def _hooks(self) -> Hooks:
+        """The dispatcher of the built hooks; outside ``train()``, one over ``self.hooks``."""
+        run = self._run
+        return run.hooks if run is not None else Hooks(self, self.hooks)

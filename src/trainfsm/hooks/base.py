@@ -1,17 +1,14 @@
-"""``BaseHook``: no-op methods that the trainer binds to its state machine once, at build.
+"""``BaseHook``: the methods a hook may override; every one is a no-op here.
 
-Only the methods a hook overrides are bound, so a hook costs nothing where it does nothing. Besides
-the seed methods below, a hook may define ``on_enter_<state>(trainer)`` / ``on_exit_<state>(trainer)``
-for any state (``on_enter_checkpoint``, ``on_exit_restore``, ...); see ``trainfsm.machine`` for the
-table of what fires where.
+The trainer's dispatcher (``trainfsm.run.Hooks``) calls only the methods a hook overrides, so a
+hook costs nothing where it does nothing; its docstring says when each is called. Besides the
+methods below, a hook may define ``on_enter_<state>(trainer)`` / ``on_exit_<state>(trainer)`` for
+any state (``on_enter_checkpoint``, ``on_exit_restore``, ...), bound to the machine's states.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-from trainfsm import machine as fsm
 
 if TYPE_CHECKING:
     from trainfsm.preemption.policy import ExitPolicy
@@ -84,21 +81,3 @@ def overrides(hook: BaseHook, name: str) -> bool:
     """Whether ``hook`` defines ``name`` itself rather than inheriting BaseHook's no-op."""
     method = getattr(type(hook), name, None)
     return method is not None and method is not getattr(BaseHook, name, None)
-
-
-def bindings(hook: BaseHook) -> list[tuple[str, str | tuple[str, str], Callable[..., Any]]]:
-    """Where ``hook``'s methods go on the machine, in binding order: (``"before"``/``"enter"``/...,
-    a state or a (trigger, source) transition, the bound method). Seed methods count only when
-    overridden; ``on_enter_<state>`` / ``on_exit_<state>`` whenever the hook has them."""
-    found: list[tuple[str, str | tuple[str, str], Callable[..., Any]]] = []
-    for name, targets in fsm.HOOKS_ON_TRANSITIONS.items():
-        if overrides(hook, name):
-            found += [(kind, (trigger, source), getattr(hook, name)) for kind, trigger, source in targets]
-    for name, (kind, state) in fsm.HOOKS_ON_STATES.items():
-        if overrides(hook, name):
-            found.append((kind, state, getattr(hook, name)))
-    for name, kind, state in fsm.state_hook_names():
-        method = getattr(hook, name, None)
-        if method is not None:
-            found.append((kind, state, method))
-    return found
