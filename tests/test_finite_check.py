@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainfsm.step import CPU_SUM_MIN_ELEMENTS, FiniteCheck
+from trainfsm.finite import CPU_SUM_MIN_ELEMENTS, FiniteCheck
 
 
 def model_with_grads(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -22,9 +22,8 @@ def model_with_grads(dtype: torch.dtype = torch.float32) -> nn.Module:
 def test_large_cpu_gradients_are_summed_and_small_ones_share_one_fused_pass():
     params = list(model_with_grads().parameters())
     check = FiniteCheck(params)
-    assert [param for param, _ in check._summed] == [params[0]]
     assert params[0].numel() >= CPU_SUM_MIN_ELEMENTS
-    assert [group for group, *_ in check._fused] == [params[1:]]
+    assert [(p.params, p.summed, p.summed_in_float32) for p in check._passes] == [(params[1:], [params[0]], [])]
 
 
 def test_clean_gradients_pass():
@@ -64,7 +63,7 @@ def test_a_large_gradient_whose_sum_overflows_counts_as_non_finite():
 def test_low_precision_cpu_gradients_are_summed_in_float32():
     params = list(model_with_grads(torch.bfloat16).parameters())
     check = FiniteCheck(params)
-    assert all(dtype == torch.float32 for _, dtype in check._summed) and len(check._summed) == len(params)
+    assert [(p.params, p.summed, p.summed_in_float32) for p in check._passes] == [([], [], params)]
     params[3].grad[0] = math.inf
     assert check() is True
 
@@ -93,11 +92,10 @@ def test_a_step_reads_one_flag_however_many_gradients_are_summed(monkeypatch):
 
 
 def test_without_the_fused_kernel_on_cpu_every_gradient_is_summed_and_read(monkeypatch):
-    monkeypatch.setattr("trainfsm.step._fused_check_runs_on_cpu", lambda: False)
+    monkeypatch.setattr("trainfsm.finite._fused_check_runs_on_cpu", lambda: False)
     params = list(model_with_grads().parameters())
     check = FiniteCheck(params)
-    assert [param for param, _ in check._summed] == params and check._fused == []
-    assert check._read_each == check._summed
+    assert check._read_each == [(param, False) for param in params] and check._passes == []
     assert check() is False
     params[2].grad[0, 0] = math.inf
     assert check() is True

@@ -1,7 +1,7 @@
 """One micro-batch and one optimizer step: autocast, loss scaling, ``no_sync``, the finite check.
 
 The trainer's ACCUMULATE state calls ``Stepper.micro`` once per micro-batch and, on a step's last
-micro-batch, ``grads_finite`` and ``apply``. Everything that does not change between steps (the
+micro-batch, ``check_and_clip`` and ``apply``. Everything that does not change between steps (the
 autocast context, the parameter lists, which optional pieces exist) is resolved in ``__init__``, so
 a step does no lookups and no host syncs beyond the one finite check.
 """
@@ -9,19 +9,15 @@ a step does no lookups and no host syncs beyond the one finite check.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Mapping
-from functools import partial
-from operator import attrgetter, is_not
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from trainfsm import collectives
 from trainfsm.collectives import LossNoneAgreement
+from trainfsm.finite import FiniteCheck
 from trainfsm.options import MIXED_PRECISIONS
-from trainfsm.utils import local_part
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -33,122 +29,6 @@ MIXED_PRECISION_DTYPES: dict[str | None, torch.dtype | None] = {
     "bf16": torch.bfloat16,
 }
 assert set(MIXED_PRECISION_DTYPES) == {None, *MIXED_PRECISIONS}
-
-
-# CPU gradients with at least this many elements are summed one by one; smaller ones share one
-# fused pass. Measured here (FiniteCheck's docstring): one sum and its host read cost ~4.5 µs of
-# dispatch per tensor, the fused pass reads and writes, ~0.1 ns per element more than a sum; the
-# two meet near 45,000 elements.
-CPU_SUM_MIN_ELEMENTS = 32768
-
-
-class FiniteCheck:
-    """Whether every gradient is finite: one read of each gradient, one host read per pass.
-
-    The fused kernel ``GradScaler`` uses for fp16 (``_amp_foreach_non_finite_check_and_unscale_``),
-    called with an inverse scale of exactly 1.0, checks a whole list of gradients in one dispatch
-    and leaves them bit-identical (x * 1.0 == x); its flag is read once. It writes every element,
-    though, where a sum only reads, so on CPU it serves the many small tensors (biases, norms)
-    while each large one is summed (NaN and infinities propagate into a sum) and its sum read.
-    Measured in situ, the small benchmark model (784-128-10: one 100k-element weight, three small
-    tensors) costs ~22 µs a step as four sums, ~28-40 µs as one fused pass, ~15-24 µs split this
-    way; a model of 784x1 and 1x2 layers ~19 µs as sums, ~6 µs fused; a 2-norm costs ~40 µs and
-    an infinity-norm (the `trainloop` package's check) ~330 µs. A gradient whose elements sum
-    past the float range (~3.4e38) counts as non-finite too; stepping it would be just as wrong.
-    Low-precision CPU gradients are summed in float32 for that reason.
-
-    On accelerators per-tensor host reads would each be a sync, so every gradient there goes
-    through the fused kernel and its flag is the one read.
-    """
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.sharded = any(local_part(param) is not param for param in params)
-        if self.sharded:  # the flag lives where the collective runs: CUDA for nccl, CPU for gloo
-            import torch.distributed as dist
-
-            device = params[0].device if dist.get_backend() == "nccl" else torch.device("cpu")
-            self._flag = torch.zeros(1, device=device)
-        fused_cpu = _fused_check_runs_on_cpu()
-        # Summed one by one: (parameter, dtype to sum in or None). Fused: (parameters, flag, 1.0).
-        self._summed: list[tuple[nn.Parameter, torch.dtype | None]] = []
-        groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
-        for param in params:
-            local = local_part(param)
-            low_precision = local.dtype in (torch.float16, torch.bfloat16)
-            if local.device.type == "cpu" and (not fused_cpu or low_precision or local.numel() >= CPU_SUM_MIN_ELEMENTS):
-                self._summed.append((param, torch.float32 if low_precision else None))
-            else:
-                groups.setdefault((local.device, local.dtype), []).append(param)
-        fused: list[Pass] = [
-            (group, torch.zeros(1, device=device), torch.ones(1, device=device), [], [])
-            for (device, _), group in groups.items()
-        ]
-        # The sums are checked by the CPU's fused pass too, so a step reads one flag per device,
-        # not one number per summed gradient. Without the fused kernel on CPU, each sum is read.
-        self._read_each = [] if fused_cpu else self._summed
-        if self._summed and fused_cpu:
-            cpu = [i for i, ((device, _), _) in enumerate(groups.items()) if device.type == "cpu"]
-            if not cpu:
-                fused.append(([], torch.zeros(1), torch.ones(1), [], []))
-            _, _, _, plain, low = fused[cpu[0] if cpu else -1]
-            for param, dtype in self._summed:
-                (plain if dtype is None else low).append(param)
-        # Per pass: (parameters, flag, 1.0, parameters summed in their dtype, in float32).
-        self._fused = fused
-
-    def __call__(self) -> bool:
-        """True when some gradient is non-finite. Reads results on the host: a sync.
-
-        The per-step work is C-level ``map``/``filter`` over lists resolved in ``__init__``: a
-        few Python operations a pass, whatever the number of parameters."""
-        grad_of = _local_grad if self.sharded else _grad
-        non_finite = bool(self._read_each) and not all(
-            math.isfinite(grad.sum(dtype=dtype).item())
-            for param, dtype in self._read_each
-            if (grad := grad_of(param)) is not None
-        )
-        for params, found, one, plain, low in self._fused:
-            grads = list(filter(_present, map(grad_of, params)))
-            if plain:
-                grads += map(_sum, filter(_present, map(grad_of, plain)))
-            if low:
-                grads += map(_sum_float32, filter(_present, map(grad_of, low)))
-            if grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-        for fused in self._fused:  # every pass is launched before the first read
-            found = fused[1]
-            if found.item():  # host sync; reset only after it was set, so a clean step skips it
-                found.zero_()
-                non_finite = True
-        if self.sharded:
-            # Each rank checked only its own shard: a NaN in one rank's shard must reach the
-            # others, or that rank retries while they step. One all-reduce (MAX) of one flag.
-            self._flag.fill_(1.0 if non_finite else 0.0)
-            non_finite = collectives.any_rank(self._flag)
-        return non_finite
-
-
-#: One fused pass: (parameters, flag, 1.0, parameters summed in their dtype, in float32).
-Pass: TypeAlias = tuple[list[nn.Parameter], torch.Tensor, torch.Tensor, list[nn.Parameter], list[nn.Parameter]]
-_grad = attrgetter("grad")
-_present = partial(is_not, None)
-_sum = torch.Tensor.sum
-_sum_float32 = partial(torch.sum, dtype=torch.float32)
-
-
-def _local_grad(param: nn.Parameter) -> torch.Tensor | None:
-    grad = param.grad
-    return None if grad is None else local_part(grad)
-
-
-def _fused_check_runs_on_cpu() -> bool:
-    """Whether this torch has the fused check for CPU tensors (older releases only had CUDA's)."""
-    probe, found = torch.tensor([math.inf]), torch.zeros(1)
-    try:
-        torch._amp_foreach_non_finite_check_and_unscale_([probe], found, torch.ones(1))
-    except (RuntimeError, NotImplementedError):
-        return False
-    return bool(found.item())
 
 
 class Stepper:
@@ -236,7 +116,10 @@ class Stepper:
         # With an agreement, a wait for every rank (a host collective, not a device sync): no rank
         # may start the backward of a micro-batch that another rank skips, or DDP's all-reduces
         # pair up wrongly. It says skip whenever this rank's loss is None.
-        if (self.agreement is not None and self.agreement.skip(loss is None)) or loss is None:
+        skip = loss is None
+        if self.agreement is not None:
+            skip = self.agreement.skip(skip)  # a host collective: every rank waits here
+        if skip or loss is None:
             return None, records
         scaled = loss * self.inv_accumulation if self.accumulation != 1 else loss
         if self.scaler_enabled:
