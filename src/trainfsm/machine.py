@@ -133,7 +133,7 @@ ROUTINE_END: Final = ("stepped", ACCUMULATE, STEP)
 
 #: Where the seed hook methods fire: method -> (callback list, trigger, source) of the transitions
 #: they run just before, and state entries. The trainer calls them through its dispatcher
-#: (``trainfsm.run.Hooks``) at those places; ``tests/test_machine.py`` checks a run against this.
+#: (``trainfsm.run.Hooks``) at those places; ``tests/test_dispatch.py`` checks a run against this.
 HOOKS_ON_TRANSITIONS: Final[dict[str, tuple[tuple[str, str, str], ...]]] = {
     "on_before_train": (("before", "restored", RESTORE), ("before", "finish", RESTORE)),
     "on_after_step": (

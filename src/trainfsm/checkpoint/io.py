@@ -1,6 +1,6 @@
 """The I/O under a checkpoint save: durable writes, checksums, and ``torch.save`` into staged buffers.
 
-``checkpoint.py`` says *in which order* things must reach the disk for a save to survive a crash;
+``trainfsm.checkpoint.store`` says *in which order* things must reach the disk for a save to survive a crash;
 this module says *how* bytes get there fast and how they are checked on the way back:
 
 - ``write_durable`` / ``fsync_dir``: the two fsyncs the protocol is made of;

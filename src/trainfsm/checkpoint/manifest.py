@@ -2,7 +2,7 @@
 a byte of it is unpickled.
 
 A checkpoint is complete when ``manifest.json`` is there (a save writes it last, see
-``checkpoint.py``); the manifest lists every file with its size and checksum. Loading checks the
+``trainfsm.checkpoint.store``); the manifest lists every file with its size and checksum. Loading checks the
 manifest (format, step, sizes, checksums) before ``torch.load(weights_only=True)`` touches a byte,
 so neither a truncated file nor a pickle that would run code is ever unpickled.
 

@@ -8,7 +8,7 @@ it. A full checkpoint is checked against the model's keys and shapes and goes th
 ``trainer.load_state_dict``; a sharded one is read in place with DCP, on any world size. Each rank
 then resumes its own random streams and data position (rank 0's on a different world size).
 
-A checkpoint trainloop wrote (``trainloop_checkpoints``) loads through the same
+A checkpoint trainloop wrote (``trainfsm.checkpoint.trainloop``) loads through the same
 ``trainer.load_state_dict``; it has no manifest to verify and no random state or data position.
 Directories trainfsm did not write are reported once (``checkpoint_foreign``), and RESTORE refuses
 to train towards one this run could save over (``refuse_foreign_ahead``): before the first step,

@@ -11,7 +11,7 @@ describes its files, and rank 0 lists them all in the manifest (``CheckpointStor
 rank 0's outcome, broadcast, is the barrier, and a failure is the same CheckpointError on every rank.
 
 With ``async_save`` everything from the write on runs on ``BackgroundSaves``' thread from a staged
-CPU copy (``async_save.stage``); the hook logs the save once it is settled.
+CPU copy (``background.stage``); the hook logs the save once it is settled.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Why each step of a save is there (a crash may happen between any two of them):
    is always a complete newest checkpoint on disk and a pointer never names a deleted one.
 
 Loading checks the manifest before a byte is unpickled (``verify`` / ``load``, from
-``checkpoint_format``, which holds the manifest's format and its checks); a checkpoint that fails
+``trainfsm.checkpoint.manifest``, which holds the manifest's format and its checks); a checkpoint that fails
 the check is skipped for the next older one (``candidates``).
 
 A sharded checkpoint (``CheckpointingHook(sharded=...)``) is made the same way: every rank writes
@@ -28,12 +28,12 @@ its shards into the one temporary directory rank 0 made (``begin``), describes i
 written=...)``), so it is complete only when every rank's part is durable.
 
 The store shares its root with whatever else is there: a step directory without our manifest
-(``trainloop``'s checkpoints, which load through ``trainloop_checkpoints``, or anything else) is
+(``trainloop``'s checkpoints, which load through ``trainfsm.checkpoint.trainloop``, or anything else) is
 ``foreign``, and neither a save nor pruning ever replaces or deletes it.
 
-What a complete checkpoint holds and how a reader checks it is ``checkpoint_format``'s business;
-how the bytes get to the disk fast (staging buffers, ``O_DIRECT``, checksums on the way) is
-``checkpoint_io``'s; this module is the order in which they must get there.
+What a complete checkpoint holds and how a reader checks it is ``trainfsm.checkpoint.manifest``'s
+business; how the bytes get to the disk fast (staging buffers, ``O_DIRECT``, checksums on the way)
+is ``trainfsm.checkpoint.io``'s; this module is the order in which they must get there.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ TMP_PREFIX: Final = ".tmp-"
 
 
 #: Who wrote a step directory (``Checkpoint.written_by``): trainfsm (it has our manifest), trainloop
-#: (its files, no manifest: ``trainloop_checkpoints``), or None for anything else under that name.
+#: (its files, no manifest: ``trainfsm.checkpoint.trainloop``), or None for anything else under that name.
 TRAINFSM: Final = "trainfsm"
 TRAINLOOP: Final = "trainloop"
 
@@ -113,7 +113,7 @@ class CheckpointStore:
     """Save, list, verify, load and prune the checkpoints under ``root``.
 
     Files go through the page cache with each 4 MiB's writeback started at once; ``direct_io=True``
-    writes them with ``O_DIRECT`` where the file system allows it (see ``checkpoint_io.DurableWriter``
+    writes them with ``O_DIRECT`` where the file system allows it (see ``trainfsm.checkpoint.io.DurableWriter``
     for when each is faster). A store holds ``BUFFERS`` x ``BUFFER_BYTES`` of staging memory from
     its first save until ``close``.
     """
@@ -360,13 +360,13 @@ class CheckpointStore:
     @staticmethod
     def verify(path: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
         """The manifest of a complete, intact checkpoint; CheckpointError naming what is wrong
-        (``share=(rank, world_size)``: a rank's share of a sharded one; see ``checkpoint_format.verify``)."""
+        (``share=(rank, world_size)``: a rank's share of a sharded one; see ``trainfsm.checkpoint.manifest.verify``)."""
         return checkpoint_format.verify(path, share)
 
     @staticmethod
     def load(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
         """Verify (unless given the ``manifest`` ``verify`` returned), then load every ``.pt`` file with
-        ``weights_only=True``: file stem -> object (see ``checkpoint_format.load``)."""
+        ``weights_only=True``: file stem -> object (see ``trainfsm.checkpoint.manifest.load``)."""
         return checkpoint_format.load(path, manifest)
 
     # ------------------------------------------------------------------ pruning

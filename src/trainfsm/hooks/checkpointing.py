@@ -1,8 +1,8 @@
 """``CheckpointingHook``: saves in CHECKPOINT, loads in RESTORE, through ``CheckpointStore``.
 
-The hook decides when and what; the work is elsewhere: ``checkpoint_restore`` (which checkpoint
-loads, and how its state gets back), ``checkpoint_save`` (what a checkpoint holds and which rank
-writes what), ``async_save`` (staging and the background writer of ``async_save=True``).
+The hook decides when and what; the work is in ``trainfsm.checkpoint``: ``restore`` (which
+checkpoint loads, and how its state gets back), ``save`` (what a checkpoint holds and which rank
+writes what), ``background`` (staging and the background writer of ``async_save=True``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class CheckpointingHook(BaseHook):
     ``direct_io`` (default False): checkpoint files go through the page cache, each 4 MiB's writeback
     started as soon as it is written, and their pages are dropped after the fsync; ``True`` writes
     them past the page cache (``O_DIRECT``) where the file system allows it, for storage where that
-    is faster (``benchmarks/checkpoint.py`` measures both; see ``checkpoint_io.DurableWriter``).
+    is faster (``benchmarks/checkpoint.py`` measures both; see ``trainfsm.checkpoint.io.DurableWriter``).
 
     Other hooks keep pointers beside ``latest`` (``EarlyStoppingHook``: ``best``) through
     ``point_when_saved`` and ``point_to_loaded``; pruning never deletes a pointer's target.
