@@ -59,9 +59,12 @@ def _reference_classes() -> list[type]:
         obj = getattr(importlib.import_module(module), name, None) if module else None
         if isinstance(obj, type):
             found.setdefault(id(obj), obj)
+            DOCUMENTED_AT[id(obj)] = path  # the documented import path, e.g. trainfsm.checkpoint.CheckpointStore
     return sorted(found.values(), key=lambda cls: cls.__name__)
 
 
+#: Classes the reference shows under a path other than where they are defined.
+DOCUMENTED_AT: dict[int, str] = {}
 CLASSES = _reference_classes()
 
 
@@ -122,7 +125,7 @@ def _page_of(cls: type) -> str:
 def _rendered_signature(site: Path, cls: type) -> str:
     """The signature shown right under the class's own heading (not another object's), as text."""
     page = (site / "reference" / _page_of(cls) / "index.html").read_text()
-    path = f"{cls.__module__}.{cls.__qualname__}"
+    path = DOCUMENTED_AT.get(id(cls), f"{cls.__module__}.{cls.__qualname__}")
     heading = re.search(rf'<h\d id="{re.escape(path)}" class="doc doc-heading".*?</h\d>', page, flags=re.DOTALL)
     assert heading, f"reference/{_page_of(cls)} has no heading for {path}"
     after = page[heading.end() :]

@@ -140,7 +140,7 @@ def test_without_the_interval_check_routine_steps_wait_for_the_next_event(
 
 # ---------------------------------------------------------------- segments
 def rotated(workspace: Path, monkeypatch: pytest.MonkeyPatch, steps: int = 40) -> TinyTrainer:
-    monkeypatch.setattr(segments, "SEGMENT_BYTES", 1500)
+    monkeypatch.setattr(events, "SEGMENT_BYTES", 1500)  # the writer reads it when a log opens
     return train(workspace, steps, hooks=[CheckpointingHook(interval=3)])
 
 

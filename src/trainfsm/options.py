@@ -1,9 +1,8 @@
 """Constructor argument checks and the constants they allow: each error names the argument, the
 value and what is allowed.
 
-The bottom room: it imports nothing of trainfsm's, and torch only inside the checks that need it,
-so that the trail's schema (which the offline commands load without torch) can take its
-``TRAIL_FORMS`` from here.
+The bottom room: it imports nothing of trainfsm's, and torch only inside the checks that need it
+(``import trainfsm.options`` stays light for anything that only needs its constants).
 """
 
 from __future__ import annotations

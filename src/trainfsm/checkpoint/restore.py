@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainfsm import collectives
-from trainfsm.checkpoint import trainloop as trainloop_checkpoints
 from trainfsm.checkpoint.store import TRAINFSM, TRAINLOOP, CheckpointError, CheckpointStore, foreign_in_the_way
+from trainfsm.checkpoint.trainloop import is_trainloop
+from trainfsm.checkpoint.trainloop import load as load_trainloop
 from trainfsm.trail.writer import notice
 
 if TYPE_CHECKING:
@@ -136,8 +137,8 @@ def _verified(trainer: BaseTrainer, path: Path) -> tuple[dict[str, Any], dict[st
     parts: dict[str, Any] = {}
     error: str | None = None
     try:
-        if trainloop_checkpoints.is_trainloop(path):  # nothing to verify: no manifest, no checksums
-            manifest, parts = {"written_by": TRAINLOOP}, trainloop_checkpoints.load(path)
+        if is_trainloop(path):  # nothing to verify: no manifest, no checksums
+            manifest, parts = {"written_by": TRAINLOOP}, load_trainloop(path)
         else:
             manifest = CheckpointStore.verify(path, share=(rank, world))
             parts = CheckpointStore.load(path, manifest)

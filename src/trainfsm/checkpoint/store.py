@@ -49,8 +49,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm.checkpoint import manifest as checkpoint_format
-from trainfsm.checkpoint import trainloop as trainloop_checkpoints
 from trainfsm.checkpoint.io import (
     IO_THREADS,
     DurableWriter,
@@ -70,6 +68,9 @@ from trainfsm.checkpoint.manifest import (
     encode_manifest,
     parse_step,
 )
+from trainfsm.checkpoint.manifest import load as load_checkpoint
+from trainfsm.checkpoint.manifest import verify as verify_checkpoint
+from trainfsm.checkpoint.trainloop import is_trainloop
 
 __all__ = [
     "FORMAT",
@@ -361,13 +362,13 @@ class CheckpointStore:
     def verify(path: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
         """The manifest of a complete, intact checkpoint; CheckpointError naming what is wrong
         (``share=(rank, world_size)``: a rank's share of a sharded one; see ``trainfsm.checkpoint.manifest.verify``)."""
-        return checkpoint_format.verify(path, share)
+        return verify_checkpoint(path, share)
 
     @staticmethod
     def load(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
         """Verify (unless given the ``manifest`` ``verify`` returned), then load every ``.pt`` file with
         ``weights_only=True``: file stem -> object (see ``trainfsm.checkpoint.manifest.load``)."""
-        return checkpoint_format.load(path, manifest)
+        return load_checkpoint(path, manifest)
 
     # ------------------------------------------------------------------ pruning
     def prune(self, keep_previous: int) -> list[Checkpoint]:
@@ -393,7 +394,7 @@ class CheckpointStore:
 
 def foreign_in_the_way(path: Path, step: int) -> str:
     """Why a save at ``step`` cannot use ``path``, and what to do."""
-    writer = "trainloop" if trainloop_checkpoints.is_trainloop(path) else "something other than trainfsm"
+    writer = "trainloop" if is_trainloop(path) else "something other than trainfsm"
     return (
         f"{path} was written by {writer} (it has no {MANIFEST}), and this run saves step {step} there; "
         f"trainfsm never replaces or deletes a directory it did not write. Move it out of {path.parent} "
@@ -410,7 +411,7 @@ def _ours(path: Path) -> bool:
 def _writer(path: Path) -> str | None:
     if (path / MANIFEST).is_file():
         return TRAINFSM
-    return TRAINLOOP if trainloop_checkpoints.is_trainloop(path) else None
+    return TRAINLOOP if is_trainloop(path) else None
 
 
 def _check_pointer(pointer: str) -> None:

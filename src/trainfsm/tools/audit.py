@@ -68,7 +68,7 @@ from trainfsm.tools.report import (
     render,
     since_text,
 )
-from trainfsm.trail import files as segments
+from trainfsm.trail.files import closed_segments
 from trainfsm.trail.reader import Note, Record, Trail, TrailError, open_trail, read_records
 
 __all__ = ["PROBLEM_KINDS", "RUN_PROBLEM_KINDS", "SCHEMA", "AuditReport", "Problem", "audit", "audit_trail", "render"]
@@ -139,7 +139,7 @@ def _jobs(jobs: int | None, trail: Trail) -> int:
 
 
 def _parts_of(path: Path) -> list[Path]:
-    return [p for p in (*segments.closed_segments(path), path) if p.exists()]
+    return [p for p in (*closed_segments(path), path) if p.exists()]
 
 
 def _replay_alone(

@@ -29,7 +29,16 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
-from trainfsm.trail import files as segments
+from trainfsm.trail.files import (
+    ANY_FILE,
+    LOGS,
+    active_name,
+    closed_segments,
+    files_of,
+    is_segment,
+    open_segment,
+    rank_of,
+)
 from trainfsm.trail.schema import FORMAT_VERSION, READABLE_FORMATS, transition_event
 
 try:  # orjson parses a line several times faster than json; both accept the same lines.
@@ -118,13 +127,11 @@ def rank_files(directory: Path) -> list[Path]:
     """The trail of each rank of a workspace (under ``logs/``) or of a logs directory, by rank:
     ``events.rank{R}.jsonl``, the name of the file being written, which stands for the rank's
     closed segments too (it may be missing when only segments are left)."""
-    for candidate in (directory / segments.LOGS, directory):
-        ranks = {rank for p in candidate.glob(segments.ANY_FILE) if (rank := segments.rank_of(p)) is not None}
+    for candidate in (directory / LOGS, directory):
+        ranks = {rank for p in candidate.glob(ANY_FILE) if (rank := rank_of(p)) is not None}
         if ranks:
-            return [candidate / segments.active_name(rank) for rank in sorted(ranks)]
-    raise TrailError(
-        f"{directory}: no audit trail here (expected {directory / segments.LOGS / segments.active_name('*')})"
-    )
+            return [candidate / active_name(rank) for rank in sorted(ranks)]
+    raise TrailError(f"{directory}: no audit trail here (expected {directory / LOGS / active_name('*')})")
 
 
 def open_trail(inputs: Iterable[Path]) -> Trail:
@@ -133,7 +140,7 @@ def open_trail(inputs: Iterable[Path]) -> Trail:
     for item in inputs:
         if item.is_dir():
             found = rank_files(item)
-        elif item.is_file() or (segments.rank_of(item) is not None and segments.closed_segments(item)):
+        elif item.is_file() or (rank_of(item) is not None and closed_segments(item)):
             found = [item]
         else:
             raise TrailError(f"{item}: no such file or directory")
@@ -150,9 +157,9 @@ def open_trail(inputs: Iterable[Path]) -> Trail:
 
 def _parts(path: Path) -> list[Path]:
     """The files that make up ``path``'s trail: a closed segment given by name is itself alone."""
-    if segments.is_segment(path):
+    if is_segment(path):
         return [path]
-    return segments.files_of(path) or [path]
+    return files_of(path) or [path]
 
 
 def read_records(
@@ -169,7 +176,7 @@ def read_records(
     for part in _parts(path):
         file = str(part)
         try:
-            handle = segments.open_segment(part)
+            handle = open_segment(part)
         except OSError as exc:
             raise TrailError(f"{part}: cannot read ({exc.strerror or exc})") from None
         with handle:
@@ -204,7 +211,7 @@ def read_events(path: Path | str, rank: int = 0, *, expand: bool = True) -> Iter
     """
     path = Path(path)
     if path.is_dir():
-        by_rank = {segments.rank_of(p): p for p in rank_files(path)}
+        by_rank = {rank_of(p): p for p in rank_files(path)}
         if rank not in by_rank:
             raise TrailError(f"{path}: no trail of rank {rank} (ranks: {sorted(by_rank)})")  # type: ignore[type-var]
         path = by_rank[rank]

@@ -56,6 +56,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
     "signal_agreed": ("signal", "agreed_step"),
     "signal_passed_on": ("signal", "received_at", "at_state", "disposition"),
+    "signals_not_installed": ("reason",),
     "launcher_stop": ("pid", "signal", "at"),
     "restart_stop": ("signal",),
     "requeue": ("command", "ok", "message"),
@@ -164,6 +165,11 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     "signal_agreed": (
         "`signal`, `agreed_step`",
         "all ranks agreed a signal is pending: checkpoint at this step, then EXIT",
+    ),
+    "signals_not_installed": (
+        "`reason`",
+        "`train()` runs outside the main thread, where Python cannot install signal handlers: exit signals "
+        "keep their own behaviour for this run",
     ),
     "signal_passed_on": (
         "`signal`, `received_at`, `at_state`, `disposition` (`default`, `ignored`, `handler`)",

@@ -36,7 +36,7 @@ from typing import IO, Any, Final
 import structlog
 
 from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
-from trainfsm.trail import files as segments
+from trainfsm.trail.files import SEGMENT_BYTES, compress, next_number, segment_path, unfinished
 from trainfsm.trail.schema import transition_event
 
 try:  # orjson renders an event ~5x faster than json; both give the same JSON lines.
@@ -136,12 +136,12 @@ class EventLog:
         self.form = form
         self._common = {"rank": rank, "run_id": run_id, "attempt": attempt}
         self._file: IO[bytes] | None = None
-        self.segment_bytes = segment_bytes or segments.SEGMENT_BYTES
+        self.segment_bytes = segment_bytes or SEGMENT_BYTES
         self._compressing: threading.Thread | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "ab", buffering=1 << 16)  # noqa: SIM115 - closed by close()
-            self._compress_later(segments.unfinished(path))  # a killed predecessor's
+            self._compress_later(unfinished(path))  # a killed predecessor's
         self._progress = progress
         self._owner = owner  # has ``.step`` (the trainer): read directly on the per-step path
         self._console_debug = console.isEnabledFor(logging.DEBUG)
@@ -306,7 +306,7 @@ class EventLog:
         """Close the full file as the next segment, compress it on a thread, write on in a new one."""
         assert self.path is not None and self._file is not None and self._sink is not None
         self._file.close()
-        closed = segments.segment_path(self.path, segments.next_number(self.path))
+        closed = segment_path(self.path, next_number(self.path))
         os.replace(self.path, closed)
         self._file = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115 - closed by close()
         self._sink.retarget(self._file)
@@ -321,7 +321,7 @@ class EventLog:
             if previous is not None:
                 previous.join()
             for path in plain:
-                segments.compress(path)
+                compress(path)
 
         self._compressing = threading.Thread(target=work, name="trainfsm-trail-compress", daemon=True)
         self._compressing.start()
