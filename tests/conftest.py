@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.helpers import TinyTrainer, read_events
+from tests.tiers import FAST_TWIN
 
 
 @pytest.fixture
@@ -27,3 +28,60 @@ def make_trainer(tmp_path: Path) -> Callable[..., TinyTrainer]:
 def events(tmp_path: Path) -> Callable[[], list[dict[str, Any]]]:
     """``events()``: the events written under ``tmp_path`` so far."""
     return lambda: read_events(tmp_path)
+
+
+# ---------------------------------------------------------------- the tiers (tests/tiers.py) and xdist
+#: The modules that take longest in `make test-all` (minutes each on 2 cores): sent to the workers
+#: first, so that neither is left running one of them alone at the end.
+LONGEST = ("tests/test_two_nodes.py", "tests/test_faults.py", "tests/test_torchrun_preemption.py", "tests/slurm/")
+#: Markers of the kinds of tests that start processes: their modules come next.
+HEAVY = ("slow", "slurm", "distributed", "faults", "docs")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
+    # Modules in the order the workers should take them (see `pytest_xdist_make_scheduler`), each
+    # module's tests together and in their order, so a module-scoped fixture is built once.
+    weight: dict[Path, tuple[int, int]] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        first = next((i for i, prefix in enumerate(LONGEST) if path.startswith(prefix)), len(LONGEST))
+        kind = 0 if item.get_closest_marker("slow") else 1 if any(item.get_closest_marker(m) for m in HEAVY) else 2
+        weight[item.path] = min(weight.get(item.path, (first, 2)), (first, kind))
+    items.sort(key=lambda item: weight[item.path])  # stable
+    yield
+    _drop_fast_twins(config, items)  # after -m and -k have deselected what they deselect
+
+
+def _drop_fast_twins(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the fast twin of a ``trial_counts`` test whose full count is selected too."""
+
+    def key(item: pytest.Item) -> tuple[str, str, tuple[tuple[str, str], ...]]:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        others = tuple(sorted((name, repr(value)) for name, value in params.items() if name != "trials"))
+        return str(item.path), getattr(item, "originalname", item.name), others
+
+    full = {key(item) for item in items if "trials" in item.fixturenames and item.get_closest_marker("slow")}
+    twins = [item for item in items if item.get_closest_marker(FAST_TWIN) and key(item) in full]
+    if twins:
+        config.hook.pytest_deselected(items=twins)
+        items[:] = [item for item in items if item not in twins]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``-n N --dist loadfile`` (``make test``, ``make test-all``): one module to one worker, as
+    ``loadfile`` does (a module-scoped fixture, such as a reference run or the built docs site, is built
+    once, not once per worker), with all of ``tests/slurm/`` as one unit (the session-scoped cluster of
+    ``tests/slurm/conftest.py`` is started, used and stopped by one worker), and the modules taken in
+    the order ``pytest_collection_modifyitems`` puts them in (longest first), not by number of tests."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/slurm/" if path.startswith("tests/slurm/") else path
+
+    config.option.loadscopereorder = False
+    return ModuleScheduling(config, log)
