@@ -148,6 +148,9 @@ def test_json_schema_is_the_documented_one(tmp_path: Path, capsys: pytest.Captur
     }  # fmt: skip
 
 
+@pytest.mark.distributed
+@pytest.mark.faults
+@pytest.mark.slow
 def test_a_real_two_rank_preemption_is_consistent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tests.faults.two_ranks import scenario
 
@@ -180,6 +183,7 @@ def _killed_in_training(workspace: Path, out: Path) -> None:
     assert process.returncode == -signal.SIGKILL
 
 
+@pytest.mark.faults
 def test_a_real_sigkill_not_resumed_is_a_run_problem_at_its_last_record(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -202,6 +206,7 @@ def test_a_real_sigkill_not_resumed_is_a_run_problem_at_its_last_record(
     assert f"killed at its last record ({trail(workspace)}:{killed['line']})" in out
 
 
+@pytest.mark.faults
 def test_a_real_sigkill_then_a_resume_is_consistent_and_ended_well(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

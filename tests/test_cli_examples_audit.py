@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from trainfsm.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,7 @@ def _audit(workspace: Path) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.slow  # the fast tier runs it in test_examples.py and audits real runs in test_cli_audit.py
 def test_the_quickstart_and_its_resume_are_accepted(tmp_path: Path) -> None:
     workspace = tmp_path / "ws"
     quickstart = [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--workspace", str(workspace)]
@@ -49,6 +52,7 @@ def test_the_quickstart_and_its_resume_are_accepted(tmp_path: Path) -> None:
     assert [a["exit"] for a in (first, second)] == [{"reason": "completed", "code": 0}] * 2
 
 
+@pytest.mark.slow  # the fast tier runs the demo in test_examples.py
 def test_the_demo_is_accepted(tmp_path: Path) -> None:
     _run([*_trainfsm(), "demo", "--steps", "20", "--checkpoint-every", "10", "--workspace", "ws"], tmp_path)
     (attempt,) = _audit(tmp_path / "ws")["attempts"]

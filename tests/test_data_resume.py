@@ -353,6 +353,9 @@ def _ddp(workspace: Path, loader: str, workers: int) -> Callable[[int], list[str
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+@pytest.mark.distributed
+@pytest.mark.faults
+@pytest.mark.slow
 @pytest.mark.parametrize(("loader", "workers"), [("stateful", 2), ("dataloader", 0)])
 def test_two_ddp_ranks_killed_at_a_random_moment_resume_to_the_uninterrupted_parameters(
     tmp_path: Path, loader: str, workers: int

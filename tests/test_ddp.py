@@ -13,7 +13,7 @@ import torch
 from tests.distributed.launch import ROOT, audit_problems, events, free_port, run_command, run_worker, summary
 from tests.distributed.worker import reference
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux"), pytest.mark.distributed]
 
 STEPS, ACCUMULATION, WORLD, LR = 4, 3, 2, 0.1
 
@@ -70,6 +70,7 @@ def test_loss_none_on_a_ddp_model_warns(ddp_run: tuple[Path, list[dict[str, Any]
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # examples/ddp.py runs under torchrun in the fast tier: test_torchrun_preemption.py
 def test_example_runs_under_torchrun_with_agreeing_trails(tmp_path: Path) -> None:
     workspace = tmp_path / "ws"
     torchrun = Path(sys.executable).with_name("torchrun")  # the console script, as a user runs it

@@ -42,7 +42,11 @@ from tests.distributed.launch import (
 from tests.distributed.worker import LOSS_NONE_AT, reference
 from trainfsm.tools.trace import render, trace
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux"),
+    pytest.mark.distributed,
+    pytest.mark.faults,
+]
 
 WORLD = 2
 PG_TIMEOUT = 3.0  # seconds; the scenarios that fail set it short so that the suite stays fast
@@ -150,6 +154,7 @@ def test_loss_none_on_one_rank_after_a_forward_with_buffers_is_skipped_by_both(t
     assert summary(trails[0])["exit"] == [(4, "completed", 0)]
 
 
+@pytest.mark.slow
 def test_loss_none_on_one_rank_without_calling_a_model_with_buffers_fails_both_at_the_timeout(
     tmp_path: Path,
 ) -> None:
@@ -170,6 +175,7 @@ def test_loss_none_on_one_rank_without_calling_a_model_with_buffers_fails_both_a
     assert PG_TIMEOUT - 1 <= waited <= PG_TIMEOUT + SLACK
 
 
+@pytest.mark.slow
 def test_loss_none_on_one_rank_without_agreement_fails_every_rank_at_the_next_checkpoint(tmp_path: Path) -> None:
     # The default (the trainloop contract): ranks do not agree on loss=None. Rank 1 skips step 2's
     # micro-batch alone, so its next gradient all-reduce pairs with rank 0's; the checkpoint of
@@ -216,6 +222,7 @@ def test_exception_on_one_rank_that_exits_fails_the_other_at_once_with_a_note(tm
     assert story.splitlines()[1].endswith("; rank(s) 0 then failed in a collective")
 
 
+@pytest.mark.slow
 def test_exception_on_one_rank_that_stays_alive_fails_the_other_at_the_timeout(tmp_path: Path) -> None:
     # Rank 1 keeps its connections open after its own failure (killed by the test once rank 0 ended).
     outcome, trails = _one_rank(tmp_path, "raise", "--linger", "60", ranks=(0,))
@@ -239,7 +246,7 @@ def _example(workspace: Path) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("killed", [1, 0])
+@pytest.mark.parametrize("killed", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_sigkill_of_one_rank_fails_the_other_and_both_resume_from_the_last_checkpoint(
     tmp_path: Path, killed: int
 ) -> None:

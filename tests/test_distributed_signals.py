@@ -9,10 +9,16 @@ import pytest
 
 from tests.faults.two_ranks import events, scenario
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux"),
+    pytest.mark.distributed,
+    pytest.mark.faults,
+]
 
 
-@pytest.mark.parametrize("agree", [False, True], ids=["per_step_agreement", "loss_none_agreement"])
+@pytest.mark.parametrize(
+    "agree", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["per_step_agreement", "loss_none_agreement"]
+)
 def test_signal_to_rank_1_only_makes_both_ranks_save_at_the_same_step_and_exit(tmp_path: Path, agree: bool) -> None:
     result = scenario(tmp_path, timeout=90, agree=agree)
     assert not result["hung"], f"rank(s) {result['hung']} hung; stderr: {result['stderr']}"
@@ -31,6 +37,7 @@ def test_signal_to_rank_1_only_makes_both_ranks_save_at_the_same_step_and_exit(t
         assert [(e["reason"], e["code"], e["step"]) for e in exits] == [("preempted", 138, step)]
 
 
+@pytest.mark.slow
 def test_a_signal_with_async_sharded_saves_exits_after_the_sharded_checkpoint_is_durable(tmp_path: Path) -> None:
     """FSDP2 and ``async_save``: the signal's checkpoint is written on each rank's writer thread;
     EXIT waits for it, so both ranks exit 138 with a complete sharded checkpoint of the agreed step."""

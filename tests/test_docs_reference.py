@@ -28,6 +28,9 @@ import pytest
 import trainfsm
 from trainfsm.hooks.base import BaseHook
 
+# The tests that take the built site are marked slow (`make test-all`): the build takes about a minute.
+pytestmark = pytest.mark.docs
+
 ROOT = Path(__file__).resolve().parent.parent
 MERMAID_JS = "assets/javascripts/mermaid.min.js"
 
@@ -170,6 +173,7 @@ def test_the_reference_covers_the_trainer_and_the_checkpointing_hook() -> None:
     assert 'path: Path | str = "checkpoints"' in _expected_parameters(trainfsm.CheckpointingHook)
 
 
+@pytest.mark.slow
 @needs_docs_extras
 @pytest.mark.parametrize("cls", [cls for cls in CLASSES if _own_constructor(cls)], ids=lambda cls: cls.__name__)
 def test_each_class_shows_its_constructor_with_types_and_defaults(site: Path, cls: type) -> None:
@@ -185,6 +189,7 @@ def test_each_class_shows_its_constructor_with_types_and_defaults(site: Path, cl
     assert matches, f"{cls.__name__}'s reference signature shows {arguments}, its constructor takes {expected}"
 
 
+@pytest.mark.slow
 @needs_docs_extras
 def test_no_internal_base_class_is_named(site: Path) -> None:
     for page in ("api", "hooks"):
@@ -192,6 +197,7 @@ def test_no_internal_base_class_is_named(site: Path) -> None:
         assert "doc-class-bases" not in text and "Bases:" not in text, f"reference/{page} names a base class"
 
 
+@pytest.mark.slow
 @needs_docs_extras
 def test_the_trainer_lists_what_a_subclass_implements_and_what_users_read(site: Path) -> None:
     page = (site / "reference" / "api" / "index.html").read_text()
@@ -239,6 +245,7 @@ def _resolve(site: Path, page: Path, url: str) -> Path:
     return Path(posixpath.normpath(str(page.parent / url.split("#")[0].split("?")[0])))
 
 
+@pytest.mark.slow
 @needs_docs_extras
 def test_no_page_loads_anything_from_another_host(site: Path) -> None:
     remote = re.compile(r"^(?:[a-z][a-z0-9+.-]*:)?//", re.IGNORECASE)
@@ -255,6 +262,7 @@ def test_no_page_loads_anything_from_another_host(site: Path) -> None:
     )
 
 
+@pytest.mark.slow
 @needs_docs_extras
 def test_every_local_script_and_style_a_page_loads_is_in_the_site(site: Path) -> None:
     missing = []
@@ -265,6 +273,7 @@ def test_every_local_script_and_style_a_page_loads_is_in_the_site(site: Path) ->
     assert not missing, "\n".join(missing)
 
 
+@pytest.mark.slow
 @needs_docs_extras
 def test_pages_with_a_diagram_load_the_sites_own_mermaid(site: Path) -> None:
     script = site / MERMAID_JS
@@ -279,6 +288,7 @@ def test_pages_with_a_diagram_load_the_sites_own_mermaid(site: Path) -> None:
         assert script in scripts, f"{page.relative_to(site)} has a diagram but does not load {MERMAID_JS}"
 
 
+@pytest.mark.slow
 @needs_docs_extras
 def test_search_runs_from_the_site(site: Path) -> None:
     assert (site / "search" / "search_index.json").is_file()

@@ -21,6 +21,8 @@ import torch
 from tests import crashfs
 from trainfsm.checkpoint.store import CheckpointError, CheckpointStore
 
+pytestmark = pytest.mark.faults
+
 
 def parts(step: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(step)

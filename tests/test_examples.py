@@ -68,6 +68,7 @@ def test_demo_trail_gives_plot_its_loss_and_learning_rate_curves(tmp_path: Path)
     assert result.metrics == ["loss", "lr/group_0"]
 
 
+@pytest.mark.slow
 def test_demo_default_steps_learn_the_digits_and_a_rerun_resumes(tmp_path: Path) -> None:
     first = demo.run(tmp_path, log_every=1000)
     assert first.step == demo.DEFAULT_STEPS and first.start_step == 0 and first.exit_reason == "completed"

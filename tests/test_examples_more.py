@@ -34,6 +34,7 @@ def _audited(workspace: Path) -> list[dict[str, Any]]:
     return attempts
 
 
+@pytest.mark.slow
 def test_digits_default_steps_reach_90_percent_validation_accuracy(tmp_path: Path) -> None:
     pytest.importorskip("sklearn", reason="the digits ship inside scikit-learn (the demo extra)")
     workspace = tmp_path / "ws"
@@ -51,6 +52,7 @@ def test_digits_default_steps_reach_90_percent_validation_accuracy(tmp_path: Pat
     assert attempt["exit"] == {"reason": "completed", "code": 0}
 
 
+@pytest.mark.slow
 def test_digits_resumes_and_reports_the_restored_accuracy(tmp_path: Path) -> None:
     pytest.importorskip("sklearn", reason="the digits ship inside scikit-learn (the demo extra)")
     digits = [str(EXAMPLES / "digits.py"), "--workspace", "ws", "--val-every", "10"]
@@ -61,6 +63,7 @@ def test_digits_resumes_and_reports_the_restored_accuracy(tmp_path: Path) -> Non
     assert first["last_step"] == 20 and (second["start"], second["resumed_from_step"]) == ("resume", 20)
 
 
+@pytest.mark.slow
 def test_digits_with_epochs_stops_when_the_data_runs_out_and_a_rerun_trains_nothing(tmp_path: Path) -> None:
     pytest.importorskip("sklearn", reason="the digits ship inside scikit-learn (the demo extra)")
     digits = [str(EXAMPLES / "digits.py"), "--workspace", "ws", "--epochs", "2", "--steps", "1000"]

@@ -22,7 +22,7 @@ from tests.helpers import TinyTrainer
 from trainfsm import BaseHook
 from trainfsm.tools.audit import audit
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="real signals to child processes")
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="real signals to child processes"), pytest.mark.faults]
 
 
 def launch(workspace: Path, action: str, marker: Path | None = None) -> subprocess.Popen[bytes]:
@@ -62,7 +62,12 @@ def test_ctrl_c_mid_training_is_interrupted_with_the_code_the_shell_sees(tmp_pat
 
 @pytest.mark.parametrize(
     ("action", "status", "reason"),
-    [("exit:3", 3, "failed"), ("exit:none", 0, "stopped"), ("exit:message", 1, "failed"), ("error", 1, "failed")],
+    [
+        pytest.param("exit:3", 3, "failed", marks=pytest.mark.slow),
+        ("exit:none", 0, "stopped"),
+        pytest.param("exit:message", 1, "failed", marks=pytest.mark.slow),
+        pytest.param("error", 1, "failed", marks=pytest.mark.slow),
+    ],
 )
 def test_system_exit_from_user_code_records_the_status_python_exits_with(
     tmp_path: Path, action: str, status: int, reason: str

@@ -22,7 +22,7 @@ import torch
 from tests.distributed.launch import Outcome, audit_problems, events, run_worker, summary
 from tests.distributed.worker import reference
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux"), pytest.mark.distributed]
 
 WORLD = 2
 

@@ -21,7 +21,10 @@ import pytest
 from tests.distributed.launch import Ranks
 from tests.faults import fsdp_teardown
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo ranks; reads /proc/self/task")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo ranks; reads /proc/self/task"),
+    pytest.mark.distributed,
+]
 
 SCRIPT = """
 import gc, json, os, sys, weakref
@@ -88,6 +91,9 @@ def test_release_destroyed_groups_keeps_the_groups_still_in_use(teardown: list[d
     assert [result["while_alive"] for result in teardown] == [0, 0]
 
 
+# A rank killed in a sharded save is tried in the fast tier in tests/test_sharded_checkpoints.py.
+@pytest.mark.faults
+@pytest.mark.slow
 def test_kill_and_resume_trials_under_cpu_load_exit_0(tmp_path: Path) -> None:
     """Two trials of ``tests/faults/fsdp_teardown.py`` (a rank killed in a sharded save, then the
     resumed launch must exit 0 on both ranks with no gloo thread left); the bitwise-exact resume

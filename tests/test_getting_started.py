@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# Slow: it trains the guide's script twice and plots it (the quickstart and `trainfsm plot` run in the fast tier).
+pytestmark = [pytest.mark.docs, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "guides" / "getting-started.md"
 FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)

@@ -515,6 +515,7 @@ def run_two_ranks(out: Path, scenario: str, timeout: float = 120.0) -> tuple[lis
     return results, outputs
 
 
+@pytest.mark.distributed
 def test_two_gloo_ranks_sync_averages_across_ranks_with_one_collective_per_interval(tmp_path: Path) -> None:
     results, stdout = run_two_ranks(tmp_path, "sync")
     ends = [3, 6, 7]
@@ -552,6 +553,7 @@ def test_two_gloo_ranks_sync_averages_across_ranks_with_one_collective_per_inter
     ]
 
 
+@pytest.mark.distributed
 def test_two_gloo_ranks_with_different_record_keys_raise_on_both_ranks(tmp_path: Path) -> None:
     results, _ = run_two_ranks(tmp_path, "keys")
     for result in results:

@@ -213,6 +213,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list
 
 
 @distributed
+@pytest.mark.distributed
 def test_every_rank_writes_its_shard_and_the_manifest_lists_all_of_them(runs: tuple[Path, Any]) -> None:
     out, _ = runs
     checkpoint = out / "resume" / "checkpoints" / "6"
@@ -237,6 +238,7 @@ def test_every_rank_writes_its_shard_and_the_manifest_lists_all_of_them(runs: tu
 
 
 @distributed
+@pytest.mark.distributed
 def test_sharded_resume_on_the_same_world_size_is_exact(runs: tuple[Path, Any]) -> None:
     out, results = runs
     for rank, result in enumerate(results["fsdp"]):
@@ -251,6 +253,7 @@ def test_sharded_resume_on_the_same_world_size_is_exact(runs: tuple[Path, Any]) 
 
 
 @distributed
+@pytest.mark.distributed
 def test_async_sharded_saves_resume_exactly_on_the_same_world_size(runs: tuple[Path, Any]) -> None:
     """Each rank copies its shards to CPU and writes them on its writer thread (DTensors over CPU
     copies, collectives on the hook's own gloo group); the result resumes like a synchronous save."""
@@ -275,6 +278,7 @@ def test_async_sharded_saves_resume_exactly_on_the_same_world_size(runs: tuple[P
 
 
 @distributed
+@pytest.mark.distributed
 def test_the_process_group_of_background_sharded_saves_is_destroyed_at_exit(runs: tuple[Path, Any]) -> None:
     """A group left alive would keep its gloo threads into interpreter shutdown (see torch_workarounds)."""
     _, results = runs
@@ -284,6 +288,7 @@ def test_the_process_group_of_background_sharded_saves_is_destroyed_at_exit(runs
 
 
 @distributed
+@pytest.mark.distributed
 def test_a_failed_async_sharded_save_raises_on_every_rank_at_the_next_checkpoint(runs: tuple[Path, Any]) -> None:
     """Rank 1's step-4 files fail in the background: both ranks log checkpoint_failed once they see
     it (step 5 or 6, as fast as the writer was) and raise the same error at the checkpoint of step 6,
@@ -304,6 +309,7 @@ def test_a_failed_async_sharded_save_raises_on_every_rank_at_the_next_checkpoint
 
 
 @distributed
+@pytest.mark.distributed
 def test_a_corrupted_shard_is_skipped_alike_on_every_rank(runs: tuple[Path, Any]) -> None:
     """Rank 1's shard of step 4 is corrupted: rank 1 finds it, and rank 0 skips step 4 as well."""
     out, results = runs
@@ -320,6 +326,7 @@ def test_a_corrupted_shard_is_skipped_alike_on_every_rank(runs: tuple[Path, Any]
 
 
 @distributed
+@pytest.mark.distributed
 def test_sharded_false_refuses_a_split_model_state_on_every_rank_before_training(runs: tuple[Path, Any]) -> None:
     _, results = runs
     for result in results["fsdp"]:
@@ -330,6 +337,7 @@ def test_sharded_false_refuses_a_split_model_state_on_every_rank_before_training
 
 
 @distributed
+@pytest.mark.distributed
 def test_sharded_resume_with_a_stateless_optimizer(runs: tuple[Path, Any]) -> None:
     _, results = runs
     for result in results["fsdp"]:
@@ -338,6 +346,7 @@ def test_sharded_resume_with_a_stateless_optimizer(runs: tuple[Path, Any]) -> No
 
 
 @distributed
+@pytest.mark.distributed
 def test_a_sharded_fsdp_checkpoint_of_2_ranks_resumes_on_1_process(runs: tuple[Path, Any]) -> None:
     """DCP reshards: the one process gets every rank's shards."""
     out, results = runs
@@ -349,6 +358,7 @@ def test_a_sharded_fsdp_checkpoint_of_2_ranks_resumes_on_1_process(runs: tuple[P
 
 
 @distributed
+@pytest.mark.distributed
 def test_a_full_ddp_checkpoint_of_2_ranks_resumes_on_1_process(runs: tuple[Path, Any]) -> None:
     out, results = runs
     [after] = results["world1_after"]
@@ -360,6 +370,7 @@ def test_a_full_ddp_checkpoint_of_2_ranks_resumes_on_1_process(runs: tuple[Path,
 
 
 @distributed
+@pytest.mark.distributed
 def test_a_full_checkpoint_of_1_process_resumes_on_2_ddp_ranks(runs: tuple[Path, Any]) -> None:
     out, results = runs
     [before] = results["world1_before"]
@@ -372,8 +383,17 @@ def test_a_full_checkpoint_of_1_process_resumes_on_2_ddp_ranks(runs: tuple[Path,
 
 
 @distributed
-@pytest.mark.parametrize("mode", ["", "_async"])
-@pytest.mark.parametrize("killed", [0, 1])
+@pytest.mark.distributed
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    ("killed", "mode"),
+    [
+        (0, ""),
+        pytest.param(0, "_async", marks=pytest.mark.slow),
+        pytest.param(1, "", marks=pytest.mark.slow),
+        pytest.param(1, "_async", marks=pytest.mark.slow),
+    ],
+)
 def test_a_rank_killed_in_the_middle_of_a_sharded_save_leaves_no_checkpoint_that_loads(
     tmp_path: Path, killed: int, mode: str
 ) -> None:
@@ -405,6 +425,8 @@ def test_a_rank_killed_in_the_middle_of_a_sharded_save_leaves_no_checkpoint_that
 
 # ---------------------------------------------------------------- the example
 @distributed
+@pytest.mark.distributed
+@pytest.mark.slow  # the 2-rank sharded checkpoints above resume on 1 process in the fast tier
 def test_fsdp_sharded_example_saves_sharded_resumes_and_reshards_to_one_process(tmp_path: Path) -> None:
     workspace = tmp_path / "ws"
     example = [str(ROOT / "examples" / "fsdp_sharded.py"), "--workspace", str(workspace), "--interval", "10"]

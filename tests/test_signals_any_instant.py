@@ -21,7 +21,7 @@ from tests.distributed.launch import audit_problems
 from tests.faults.early_signal import HERE as SCRIPT
 from tests.helpers import ignored_here, trail_events
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="real signals to child processes")
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="real signals to child processes"), pytest.mark.faults]
 
 STEPS = 8
 
@@ -86,11 +86,11 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 @pytest.mark.parametrize(
     ("place", "sig"),
     [
-        ("build_data_loader", signal.SIGUSR1),
-        ("build_model", signal.SIGUSR1),
+        pytest.param("build_data_loader", signal.SIGUSR1, marks=pytest.mark.slow),
+        pytest.param("build_model", signal.SIGUSR1, marks=pytest.mark.slow),
         ("build_model", signal.SIGTERM),
-        ("build_optimizer", signal.SIGTERM),
-        ("build_hooks", signal.SIGUSR1),
+        pytest.param("build_optimizer", signal.SIGTERM, marks=pytest.mark.slow),
+        pytest.param("build_hooks", signal.SIGUSR1, marks=pytest.mark.slow),
     ],
 )
 def test_a_signal_in_build_preempts_saves_nothing_and_the_next_launch_starts_fresh(
@@ -113,7 +113,7 @@ def test_a_signal_in_build_preempts_saves_nothing_and_the_next_launch_starts_fre
     assert audit_problems(workspace) == []  # trainfsm audit accepts a preemption in BUILD
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_a_signal_during_a_slow_checkpoint_load_preempts_from_restore_and_the_next_launch_resumes(
     tmp_path: Path, straight: list[torch.Tensor], sig: signal.Signals
 ) -> None:
@@ -153,6 +153,7 @@ def test_a_signal_no_policy_names_kills_the_process_as_its_default_action_would(
     assert not any(e["event"] in ("signal_received", "exit") for e in trail)
 
 
+@pytest.mark.slow
 def test_a_signal_no_policy_names_runs_the_users_own_handler_and_training_goes_on(
     tmp_path: Path, straight: list[torch.Tensor]
 ) -> None:
@@ -167,6 +168,7 @@ def test_a_signal_no_policy_names_runs_the_users_own_handler_and_training_goes_o
     assert_same(parameters(workspace), straight)
 
 
+@pytest.mark.slow
 def test_a_signal_ignored_before_train_stays_ignored_and_run_start_says_so(
     tmp_path: Path, straight: list[torch.Tensor]
 ) -> None:

@@ -61,10 +61,12 @@ def gloo_threads(names: list[str]) -> list[str]:
     return [name for name in names if "gloo" in name]
 
 
+@pytest.mark.slow
 def test_a_group_created_after_import_trainfsm_ends_its_threads_at_destroy(tmp_path: Path) -> None:
     assert gloo_threads(threads_after_destroy(tmp_path, "before")) == []
 
 
+@pytest.mark.slow
 def test_a_group_created_after_the_first_use_of_a_trainfsm_name_ends_its_threads(tmp_path: Path) -> None:
     """``import trainfsm`` before torch imports no torch; the first name used from it does the import."""
     assert gloo_threads(threads_after_destroy(tmp_path, "first-use")) == []
@@ -78,6 +80,7 @@ def test_a_group_created_by_init_distributed_ends_its_threads_at_destroy(tmp_pat
     assert gloo_threads(threads_after_destroy(tmp_path, "init_distributed", env)) == []
 
 
+@pytest.mark.slow
 def test_torch_still_keeps_a_group_alive_that_existed_before_the_first_optimizer(tmp_path: Path) -> None:
     """Why the workaround exists; when this stops holding, ``trainfsm.torch_workarounds`` can go."""
     alive = gloo_threads(threads_after_destroy(tmp_path, "after"))
@@ -129,6 +132,7 @@ def test_build_warns_when_trainfsm_was_imported_after_the_group_was_created(tmp_
     assert "Import trainfsm before init_process_group" in event["cause"]
 
 
+@pytest.mark.slow
 def test_build_does_not_warn_when_trainfsm_came_first(tmp_path: Path) -> None:
     caught, events = train_in_a_group(tmp_path, "before")
     assert "GroupOutlivesDestroyWarning" not in caught and events == []

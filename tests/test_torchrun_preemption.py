@@ -21,8 +21,13 @@ import torch
 
 from tests.distributed.launch import ROOT, alive, events, free_port
 from tests.faults import elastic_restart
+from tests.tiers import trial_counts
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun and prctl: Linux")
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="torchrun and prctl: Linux"),
+    pytest.mark.distributed,
+    pytest.mark.faults,
+]
 
 EXAMPLE = ROOT / "examples" / "ddp.py"
 FORWARD_USR1 = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -92,6 +97,7 @@ def test_sigusr1_to_torchrun_that_does_not_forward_it_leaves_no_rank_training(tm
             assert saved == [agreed["agreed_step"]]
 
 
+@pytest.mark.slow  # the fast tier forwards a signal through torchrun in tests/test_two_nodes.py
 def test_sigusr1_forwarded_by_torchrun_checkpoints_every_rank_and_the_relaunch_resumes_exactly(
     tmp_path: Path, straight: dict[str, torch.Tensor]
 ) -> None:
@@ -122,20 +128,25 @@ def test_sigusr1_forwarded_by_torchrun_checkpoints_every_rank_and_the_relaunch_r
     assert final.keys() == straight.keys() and all(torch.equal(final[k], straight[k]) for k in final)
 
 
+# A worker killed under torchrun's restarts: in the fast tier, on two agents (tests/test_two_nodes.py).
+@pytest.mark.slow
+@trial_counts(fast=1, full=5)
 def test_sigkill_of_one_rank_under_max_restarts_ends_in_a_restarted_group_that_completes_exactly(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], trials: int
 ) -> None:
-    passed, failed = elastic_restart.run_trials(trials=5, seed=20261124, fault="kill")
-    assert (passed, failed) == (5, 0), capsys.readouterr().out
+    passed, failed = elastic_restart.run_trials(trials=trials, seed=20261124, fault="kill")
+    assert (passed, failed) == (trials, 0), capsys.readouterr().out
 
 
+@trial_counts(fast=1, full=5)
 def test_an_exception_on_one_rank_under_max_restarts_ends_in_a_restarted_group_that_completes_exactly(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], trials: int
 ) -> None:
-    passed, failed = elastic_restart.run_trials(trials=5, seed=20261125, fault="raise")
-    assert (passed, failed) == (5, 0), capsys.readouterr().out
+    passed, failed = elastic_restart.run_trials(trials=trials, seed=20261125, fault="raise")
+    assert (passed, failed) == (trials, 0), capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_rank_failing_at_every_attempt_stops_after_max_restarts_with_the_failure_named(tmp_path: Path) -> None:
     from trainfsm.tools import trace
 

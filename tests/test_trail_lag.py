@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from tests.faults import trail_lag
+from tests.tiers import trial_counts
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the trials are forked processes")
+pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="the trials are forked processes"), pytest.mark.faults]
 
 
 def lag_trials(tmp_path: Path, *args: str) -> dict[str, Any]:
@@ -40,19 +41,24 @@ def lag_trials(tmp_path: Path, *args: str) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def test_one_process_killed_at_random_moments_keeps_its_trail_within_a_step_or_a_second(tmp_path: Path) -> None:
-    result = lag_trials(tmp_path, "--trials", "20", "--step-seconds", "0.001", "0.05", "1")
+@trial_counts(fast=2, full=20)
+def test_one_process_killed_at_random_moments_keeps_its_trail_within_a_step_or_a_second(
+    tmp_path: Path, trials: int
+) -> None:
+    result = lag_trials(tmp_path, "--trials", str(trials), "--step-seconds", "0.001", "0.05", "1")
     assert result["failed"] == []
     assert [(s["step_seconds"], s["trials"], s["passed"]) for s in result["summary"]] == [
-        (0.001, 20, 20),
-        (0.05, 20, 20),
-        (1.0, 20, 20),
+        (0.001, trials, trials),
+        (0.05, trials, trials),
+        (1.0, trials, trials),
     ]
     by_time = {s["step_seconds"]: s for s in result["summary"]}
     assert by_time[1.0]["max_steps_behind"] <= 0  # long steps: written as each ends
     assert by_time[0.001]["max_seconds_behind"] <= 1.0  # short ones: within the write-out interval
 
 
+@pytest.mark.distributed
+@pytest.mark.slow  # one process killed at random moments keeps its trail in the fast tier
 def test_one_rank_of_a_ddp_job_killed_at_random_moments_keeps_its_trail_within_a_step_or_a_second(
     tmp_path: Path,
 ) -> None:

@@ -23,7 +23,10 @@ import pytest
 from tests.distributed.launch import ROOT, events
 from tests.faults import two_nodes
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun, /proc and prctl: Linux")
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="torchrun, /proc and prctl: Linux"),
+    pytest.mark.distributed,
+]
 
 
 # ---------------------------------------------------------------- the group's number
@@ -178,9 +181,10 @@ def trial(fault: str, pace: str, index: int, tmp_path: Path, straight: Any, nnod
 
 
 # Slow steps on node 1: test_a_survivor_stopped_by_its_agent_for_a_restart_... below.
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("pace", "node"),
-    [("fast", 0), ("fast", 1), ("slow", 0)],
+    [pytest.param("fast", 0, marks=pytest.mark.slow), ("fast", 1), pytest.param("slow", 0, marks=pytest.mark.slow)],
     ids=["fast, node 0 (store host)", "fast, node 1", "slow, node 0 (store host)"],
 )
 def test_a_worker_killed_on_either_node_restarts_both_and_the_run_completes_bit_exact(
@@ -189,13 +193,16 @@ def test_a_worker_killed_on_either_node_restarts_both_and_the_run_completes_bit_
     trial("kill", pace, node, tmp_path, straight)
 
 
-@pytest.mark.parametrize("node", [0, 1], ids=["node 0 (store host)", "node 1"])
+@pytest.mark.faults
+@pytest.mark.parametrize("node", [pytest.param(0, marks=pytest.mark.slow), 1], ids=["node 0 (store host)", "node 1"])
 def test_a_worker_killed_while_starting_up_or_in_build_restarts_both_into_one_group_and_completes_exactly(
     node: int, tmp_path: Path, straight: Any
 ) -> None:
     trial("startup", "fast", node, tmp_path, straight)
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 def test_with_two_workers_per_node_a_killed_worker_restarts_all_four_ranks_into_one_group(tmp_path: Path) -> None:
     """Four ranks, two per agent: the restart forms one group of four whatever each agent counted.
     The parameters match an uninterrupted run to float rounding only: with more than two ranks a
@@ -206,26 +213,36 @@ def test_with_two_workers_per_node_a_killed_worker_restarts_all_four_ranks_into_
     assert problem == ""
 
 
-@pytest.mark.parametrize("index", [0, 3], ids=["SIGTERM to node 0", "SIGUSR1 to node 1"])
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    "index", [0, pytest.param(3, marks=pytest.mark.slow)], ids=["SIGTERM to node 0", "SIGUSR1 to node 1"]
+)
 def test_a_signal_to_one_agent_stops_every_rank_of_both_nodes_at_one_saved_step_and_they_resume_bit_exact(
     index: int, tmp_path: Path, straight: Any
 ) -> None:
     trial("signal", "fast", index, tmp_path, straight)
 
 
-@pytest.mark.parametrize("node", [0, 1], ids=["node 0 (store host) lost", "node 1 lost"])
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    "node", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["node 0 (store host) lost", "node 1 lost"]
+)
 def test_a_lost_node_ends_the_other_within_its_timeouts_and_a_relaunch_resumes_bit_exact(
     node: int, tmp_path: Path, straight: Any
 ) -> None:
     trial("lose", "fast", node, tmp_path, straight)
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 def test_under_elastic_membership_a_killed_worker_restarts_both_nodes_and_completes_bit_exact(
     tmp_path: Path, straight: Any
 ) -> None:
     trial("kill", "fast", 1, tmp_path, straight, nnodes="1:2")
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 def test_under_elastic_membership_the_node_left_after_a_loss_trains_on_alone(tmp_path: Path) -> None:
     """``--nnodes 1:2``: when node 1 is lost for good, node 0's agent forms a group of one and its
     worker resumes from the last complete checkpoint at world size 1 (rank 0's data position), and
@@ -245,6 +262,8 @@ def test_under_elastic_membership_the_node_left_after_a_loss_trains_on_alone(tmp
     assert two_nodes.last_attempt(agents.workspace, 0)[-1]["reason"] == "completed"
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 def test_a_survivor_stopped_by_its_agent_for_a_restart_records_a_restart_stop_not_a_preemption(
     tmp_path: Path, straight: Any
 ) -> None:
@@ -274,6 +293,8 @@ def test_a_survivor_stopped_by_its_agent_for_a_restart_records_a_restart_stop_no
     assert two_nodes.same(torch.load(agents.workspace / "final.pt"), expected)
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 def test_the_rank_preempted_by_the_other_nodes_signal_stops_its_own_agent_at_exit(tmp_path: Path) -> None:
     agents = two_nodes.launch(tmp_path / "ws", tmp_path, "fast", forward=True)
     try:

@@ -59,6 +59,7 @@ def test_batch_job_completes(slurm_cluster: SlurmCluster, tmp_path: Path) -> Non
     print(f"sbatch -> running: {float(started) - submitted:.2f}s")
 
 
+@pytest.mark.slow
 def test_requeue_restarts_the_job_within_seconds(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     job_id, runs = submit(slurm_cluster, tmp_path, "120")
     slurm_cluster.wait_state(job_id, "RUNNING", timeout=30)

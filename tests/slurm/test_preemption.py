@@ -18,7 +18,7 @@ from trainfsm.trail.reader import TrailError, read_events
 if TYPE_CHECKING:
     from tests.slurm.conftest import SlurmCluster
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.faults]
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
@@ -46,7 +46,7 @@ def uninterrupted(tmp_path: Path) -> dict[str, torch.Tensor]:
     return torch.load(workspace / "final.pt")  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize(("signal_name", "code"), [("USR1", 138), ("TERM", 143)])
+@pytest.mark.parametrize(("signal_name", "code"), [("USR1", 138), pytest.param("TERM", 143, marks=pytest.mark.slow)])
 def test_preempted_job_checkpoints_requeues_and_resumes_exactly(
     slurm_cluster: SlurmCluster, tmp_path: Path, signal_name: str, code: int
 ) -> None:
@@ -94,6 +94,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(
     assert all(torch.equal(final[k], expected[k]) for k in final)
 
 
+@pytest.mark.slow
 def test_a_job_signalled_while_still_in_build_is_requeued_and_completes(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
@@ -142,6 +143,7 @@ def test_a_job_signalled_while_still_in_build_is_requeued_and_completes(
     assert all(torch.equal(a, b) for a, b in zip(final, expected, strict=True))
 
 
+@pytest.mark.slow
 def test_a_torchrun_job_signalled_as_the_guide_says_is_requeued_and_resumes_exactly(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:

@@ -13,7 +13,7 @@ from tests.distributed.launch import audit_problems, events, free_port, summary
 if TYPE_CHECKING:
     from tests.slurm.conftest import SlurmCluster
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,6 +30,7 @@ srun "$PYTHON" examples/ddp.py --workspace "$WORKSPACE" --steps 30 --interval 10
 """
 
 
+@pytest.mark.slow  # the fast tier launches ranks with srun in test_srun_torchrun.py
 def test_srun_two_tasks_train_with_ddp_and_agreeing_trails(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     script = tmp_path / "ddp.sbatch"
     script.write_text(JOB.format(port=free_port()))
@@ -69,6 +70,8 @@ srun "$PYTHON" examples/ddp.py --workspace "$WORKSPACE" --steps 150 --interval 1
 """
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 def test_srun_tasks_signalled_by_scancel_agree_save_requeue_and_complete(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:

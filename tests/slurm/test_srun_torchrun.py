@@ -27,7 +27,7 @@ from tests.distributed.launch import audit_problems, events, free_port, run_prob
 if TYPE_CHECKING:
     from tests.slurm.conftest import SlurmCluster
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "examples" / "slurm" / "multinode.sbatch"
@@ -52,6 +52,8 @@ def uninterrupted(torchrun: str, workspace: Path) -> subprocess.Popen[bytes]:
         )
 
 
+@pytest.mark.faults
+@pytest.mark.slow
 def test_srun_torchrun_agents_signalled_by_scancel_agree_save_requeue_and_resume_exactly(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
