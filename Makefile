@@ -1,11 +1,15 @@
-# `make demo` and `make test` each do all set-up first (scripts/setup.sh): create ./.venv if missing,
-# install torch==$(TORCH) first, then this package editable with its extras. Safe to re-run: set-up
-# is skipped when nothing changed.
+# `make demo`, `make test` and `make test-all` each do all set-up first (scripts/setup.sh): create ./.venv if
+# missing, install torch==$(TORCH) first, then this package editable with its extras. Safe to re-run:
+# set-up is skipped when nothing changed.
 #
 #   make demo                  train the demo (trainfsm demo), print accuracy and where the files are
 #   make demo ARGS="--steps 600"
-#   make test                  the test suite (python -m pytest -q)
+#   make test                  the fast tier, about 5 minutes on 2 cores: every feature, one trial of each
+#                              kind of fault (pytest -m "not slow", 2 processes, 300 s a test at most)
+#   make test-all              the full suite, about 20 minutes on 2 cores: every test, every trial (what CI runs)
 #   make test PYTEST_ARGS="-k diagram -x"
+#   make test-all PYTEST_ARGS="-m faults"    one kind of test (markers: pyproject.toml, tests/tiers.py)
+#   make test TEST_WORKERS=0   in this process, no xdist (a debugger, -s)
 #   make lint                  ruff check + ruff format --check
 #   make diagrams              regenerate diagrams/ from the machine's table
 #   make docs                  build the docs site into site/ (mkdocs build --strict; CI runs it)
@@ -18,8 +22,12 @@ export VENV TORCH
 
 BIN := $(VENV)/bin
 LINTED := src tests benchmarks examples
+# pytest-xdist: a module's tests run on one worker (tests/conftest.py, pytest_xdist_make_scheduler). More
+# workers than cores only slow the tests that train in several processes down (2 cores: 3 is no faster).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup demo test lint format diagrams docs clean
+.PHONY: setup demo test test-all lint format diagrams docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -28,7 +36,10 @@ demo: setup
 	$(BIN)/trainfsm demo $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" --timeout 300 $(XDIST) $(PYTEST_ARGS)
+
+test-all: setup
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check $(LINTED)
