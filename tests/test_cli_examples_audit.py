@@ -59,6 +59,7 @@ def test_the_demo_is_accepted(tmp_path: Path) -> None:
     assert (attempt["steps_done"], attempt["checkpoint_steps"]) == (20, [10, 20])
 
 
+@pytest.mark.slow  # the fast tier preempts it under SLURM: tests/slurm/test_preemption.py
 def test_the_slurm_example_preempted_by_sigusr1_and_resumed_is_accepted(tmp_path: Path) -> None:
     workspace = tmp_path / "ws"
     train = [sys.executable, str(ROOT / "examples" / "slurm" / "train.py"), "--workspace", str(workspace)]

@@ -554,6 +554,7 @@ def test_two_gloo_ranks_sync_averages_across_ranks_with_one_collective_per_inter
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_two_gloo_ranks_with_different_record_keys_raise_on_both_ranks(tmp_path: Path) -> None:
     results, _ = run_two_ranks(tmp_path, "keys")
     for result in results:
