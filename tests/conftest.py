@@ -68,6 +68,7 @@ def _drop_fast_twins(config: pytest.Config, items: list[pytest.Item]) -> None:
         items[:] = [item for item in items if item not in twins]
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest -p no:xdist runs without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under ``-n N --dist loadfile`` (``make test``, ``make test-all``): one module to one worker, as
     ``loadfile`` does (a module-scoped fixture, such as a reference run or the built docs site, is built
