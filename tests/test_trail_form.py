@@ -13,7 +13,6 @@ import pytest
 from tests.helpers import EVENTS_FILE, TinyTrainer, make_batches, outline, trail_events
 from trainfsm import CheckpointingHook
 from trainfsm.tools.audit import audit
-from trainfsm.trail import files as segments
 from trainfsm.trail import writer as events
 from trainfsm.trail.reader import expand_steps
 
