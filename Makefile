@@ -6,7 +6,7 @@
 #   make demo ARGS="--steps 600"
 #   make test                  the fast tier, about 5 minutes on 2 cores: every feature, one trial of each
 #                              kind of fault (pytest -m "not slow", 2 processes, 300 s a test at most)
-#   make test-all              the full suite, about 20 minutes on 2 cores: every test, every trial (what CI runs)
+#   make test-all              the full suite, about 17 minutes on 2 cores: every test, every trial (what CI runs)
 #   make test PYTEST_ARGS="-k diagram -x"
 #   make test-all PYTEST_ARGS="-m faults"    one kind of test (markers: pyproject.toml, tests/tiers.py)
 #   make test TEST_WORKERS=0   in this process, no xdist (a debugger, -s)
