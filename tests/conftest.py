@@ -84,5 +84,31 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             path = nodeid.split("::", 1)[0]
             return "tests/slurm/" if path.startswith("tests/slurm/") else path
 
+        def remove_node(self, node: Any) -> str | None:
+            # A worker that crashed (pytest-timeout ends a hung test's worker) left its module's tests
+            # to the next worker, the one it was running included: xdist's module scheduling would
+            # run that test again on each new worker, a hang costing its timeout once per restart.
+            # It is reported once, as crashed, and the next worker starts after it.
+            crashed = None
+            for unit in self.assigned_work.get(node, {}).values():
+                crashed = next((nodeid for nodeid, done in unit.items() if not done), None)
+                if crashed is not None:
+                    unit[crashed] = True
+                    break
+            super().remove_node(node)
+            return crashed
+
     config.option.loadscopereorder = False
     return ModuleScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+    """Say why a worker may have ended: the thread method of pytest-timeout ends the process of a test
+    that runs past its timeout, and under xdist the stacks it prints are not shown."""
+    timeout = sched.config.getoption("timeout", None)
+    report.longrepr = (
+        f"{report.longrepr}: it ran past the per-test timeout ({timeout} s; pytest-timeout ends the worker), "
+        "or its process died (a crash, the OOM killer). Run it alone to see which: "
+        f"pytest -p no:xdist {crashitem!r}"
+    )
