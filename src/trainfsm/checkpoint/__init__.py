@@ -13,32 +13,5 @@ Nothing here imports the trainer, the run or a hook at run time. The store's pub
 here as well: ``from trainfsm.checkpoint import CheckpointStore`` is the documented path.
 """
 
-from trainfsm.checkpoint.store import (
-    FORMAT,
-    KEEP_SUFFIX,
-    LATEST,
-    MANIFEST,
-    READS,
-    TMP_PREFIX,
-    TRAINFSM,
-    TRAINLOOP,
-    Checkpoint,
-    CheckpointError,
-    CheckpointStore,
-    parse_step,
-)
-
-__all__ = [
-    "FORMAT",
-    "KEEP_SUFFIX",
-    "LATEST",
-    "MANIFEST",
-    "READS",
-    "TMP_PREFIX",
-    "TRAINFSM",
-    "TRAINLOOP",
-    "Checkpoint",
-    "CheckpointError",
-    "CheckpointStore",
-    "parse_step",
-]
+from trainfsm.checkpoint.store import *  # noqa: F403  (the store's public names, listed once, there)
+from trainfsm.checkpoint.store import __all__ as __all__
