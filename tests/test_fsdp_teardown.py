@@ -20,6 +20,7 @@ import pytest
 
 from tests.distributed.launch import Ranks
 from tests.faults import fsdp_teardown
+from tests.tiers import trial_counts
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gloo ranks; reads /proc/self/task"),
@@ -91,15 +92,14 @@ def test_release_destroyed_groups_keeps_the_groups_still_in_use(teardown: list[d
     assert [result["while_alive"] for result in teardown] == [0, 0]
 
 
-# A rank killed in a sharded save is tried in the fast tier in tests/test_sharded_checkpoints.py.
 @pytest.mark.faults
-@pytest.mark.slow
-def test_kill_and_resume_trials_under_cpu_load_exit_0(tmp_path: Path) -> None:
-    """Two trials of ``tests/faults/fsdp_teardown.py`` (a rank killed in a sharded save, then the
+@trial_counts(fast=1, full=2)
+def test_kill_and_resume_trials_under_cpu_load_exit_0(tmp_path: Path, trials: int) -> None:
+    """Trials of ``tests/faults/fsdp_teardown.py`` (a rank killed in a sharded save, then the
     resumed launch must exit 0 on both ranks with no gloo thread left); the bitwise-exact resume
     is the script's and ``test_sharded_checkpoints``'s to check."""
     rng = random.Random(0)
     with fsdp_teardown.cpu_load():
-        for index in range(2):
+        for index in range(trials):
             ok, detail = fsdp_teardown.trial(tmp_path / f"trial{index}", None, rng)
             assert ok, detail

@@ -128,8 +128,6 @@ def test_sigusr1_forwarded_by_torchrun_checkpoints_every_rank_and_the_relaunch_r
     assert final.keys() == straight.keys() and all(torch.equal(final[k], straight[k]) for k in final)
 
 
-# A worker killed under torchrun's restarts: in the fast tier, on two agents (tests/test_two_nodes.py).
-@pytest.mark.slow
 @trial_counts(fast=1, full=5)
 def test_sigkill_of_one_rank_under_max_restarts_ends_in_a_restarted_group_that_completes_exactly(
     capsys: pytest.CaptureFixture[str], trials: int

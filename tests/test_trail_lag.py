@@ -58,10 +58,10 @@ def test_one_process_killed_at_random_moments_keeps_its_trail_within_a_step_or_a
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # one process killed at random moments keeps its trail in the fast tier
+@trial_counts(fast=1, full=7)
 def test_one_rank_of_a_ddp_job_killed_at_random_moments_keeps_its_trail_within_a_step_or_a_second(
-    tmp_path: Path,
+    tmp_path: Path, trials: int
 ) -> None:
-    result = lag_trials(tmp_path, "--ddp", "--trials", "7", "--step-seconds", "0.001", "0.05", "1")
+    result = lag_trials(tmp_path, "--ddp", "--trials", str(trials), "--step-seconds", "0.001", "0.05", "1")
     assert result["failed"] == []
-    assert [(s["trials"], s["passed"]) for s in result["summary"]] == [(7, 7)] * 3
+    assert [(s["trials"], s["passed"]) for s in result["summary"]] == [(trials, trials)] * 3

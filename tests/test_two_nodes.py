@@ -168,10 +168,24 @@ def test_workers_whose_agents_counted_different_restarts_still_form_one_new_grou
 
 
 # ---------------------------------------------------------------- two agents
+class References(dict):
+    """The uninterrupted two-node run of a pace (final parameters, training time), launched the first
+    time a trial asks for that pace: the fast tier uses only the fast pace, and a reference run costs
+    about as much as a trial."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, pace: str) -> tuple[dict[str, Any], float]:
+        self[pace] = two_nodes.reference(self.factory.mktemp(pace), pace, 1)
+        return self[pace]
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], float]]:
-    """The uninterrupted two-node runs, one per pace: final parameters and training time."""
-    return {pace: two_nodes.reference(tmp_path_factory.mktemp(pace), pace, 1) for pace in two_nodes.PACES}
+def straight(tmp_path_factory: pytest.TempPathFactory) -> References:
+    """The uninterrupted two-node runs, one per pace, each run when first needed."""
+    return References(tmp_path_factory)
 
 
 def trial(fault: str, pace: str, index: int, tmp_path: Path, straight: Any, nnodes: str = "2") -> None:
