@@ -27,6 +27,7 @@ ROOMS: dict[str, int] = {
     "rng": 0,
     "step_info": 0,
     "hooks.base": 0,  # the contract the trainer calls: BaseHook, not a built-in hook
+    "activity": 0,  # what a stalled rank is doing: each module names its own functions here
     "trail": 1,
     "collectives": 2,
     "data_state": 2,
@@ -35,6 +36,7 @@ ROOMS: dict[str, int] = {
     "step": 4,
     "finite": 4,
     "resume": 4,
+    "watchdog": 4,
     "run": 5,
     "trainer": 5,
     "hooks": 6,

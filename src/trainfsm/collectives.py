@@ -44,6 +44,7 @@ from typing import Any, Final
 
 import torch
 
+from trainfsm import activity
 from trainfsm.trail import files
 from trainfsm.trail.schema import new_run_id
 from trainfsm.utils import user_stacklevel
@@ -356,3 +357,15 @@ def failed_collective(
     note = collective_note(rank, world, step, state, logs)
     add_note(exc, note)
     return {"note": note, "trails": trails(logs, rank, world)}
+
+
+# What a stalled rank waits in (``trainfsm.activity``): every one waits for every rank.
+activity.name(SignalAgreement.result, "the step-end signal agreement (all-reduce)", collective=True)
+activity.name(max_over_ranks, "the signal agreement at the end of BUILD or RESTORE (all-reduce)", collective=True)
+activity.name(LossNoneAgreement.skip, "the loss=None agreement of a micro-batch (all-reduce)", collective=True)
+activity.name(any_rank, "an all-reduce of a flag", collective=True)
+activity.name(sum_over_ranks, "an all-reduce (sum)", collective=True)
+activity.name(share_run_id, "the run id's broadcast from rank 0 (start of train())", collective=True)
+activity.name(gather_objects, "an all_gather_object", collective=True)
+activity.name(from_rank0, "a broadcast from rank 0", collective=True)
+activity.name(barrier, "a barrier", collective=True)

@@ -35,7 +35,7 @@ from typing import Any, Final
 
 import torch
 
-from trainfsm import rng
+from trainfsm import activity, rng
 
 MODES: Final = ("auto", "state", "sampler", "skip", "none")
 
@@ -369,3 +369,7 @@ class DataCursor:
         self.epoch_rng = epoch_start(self.loader)
         self.batches = 0
         return iter(self.loader)  # type: ignore[arg-type]
+
+
+activity.name(DataCursor.next, "the data loader's next()")
+activity.name(DataCursor.start, "positioning the data loader where the checkpoint left it")

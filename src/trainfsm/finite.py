@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from trainfsm import collectives
+from trainfsm import activity, collectives
 from trainfsm.utils import local_part
 
 #: CPU gradients with at least this many elements are summed one by one; smaller ones share the
@@ -114,3 +114,6 @@ def _fused_check_runs_on_cpu() -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return bool(found.item())
+
+
+activity.name(FiniteCheck.__call__, "the finite check of the gradients")

@@ -87,9 +87,15 @@ class ExitReason(str, Enum):
     PREEMPTED = "preempted"  # an exit signal: checkpoint (if a hook wants), requeue, exit 128+signal
     FAILED = "failed"  # an exception left train()
     INTERRUPTED = "interrupted"  # KeyboardInterrupt (Ctrl-C): the process ends with 130
+    STALLED = "stalled"  # the stall watchdog ended it (stall_action="exit"): STALL_EXIT_CODE
 
     __str__ = str.__str__  # "preempted", not "ExitReason.PREEMPTED", in messages and f-strings
 
+
+#: The status a process ended by the stall watchdog exits with (``stall_action="exit"``): 75,
+#: ``EX_TEMPFAIL`` of sysexits.h, "a temporary failure: the user is invited to retry". Not 128 +
+#: a signal, so neither a launcher nor ``trainfsm audit`` takes it for a preemption or a kill.
+STALL_EXIT_CODE: Final = 75
 
 TRIGGERS: Final[tuple[str, ...]] = tuple(trigger for trigger, _, _ in TRANSITIONS)
 
@@ -213,7 +219,7 @@ class CompiledEvent(Event):
             split = len(transition.prepare) + len(transition.before) + len(src.on_exit)
             before = cast(tuple[Callable[[], Any], ...], callbacks[:split])
             after = (announce(self.name, source, dest), *cast(tuple[Callable[[], Any], ...], callbacks[split:]))
-            self._plans[source] = _plan(model, machine.model_attribute, dest, before, after)
+            self._plans[source] = _plan(model, machine.model_attribute, dest, before, after, machine.progress)
         # The model's trigger method (transitions set a partial of ``trigger``) becomes one call
         # that looks up the plan: the per-step path is this closure and the plan, nothing else.
         plans, attribute, trigger = self._plans, machine.model_attribute, partial(Event.trigger, self, model)
@@ -239,14 +245,16 @@ def _plan(
     dest: str,
     before: tuple[Callable[[], Any], ...],
     after: tuple[Callable[[], Any], ...],
+    progress: Progress,
 ) -> Callable[[], bool]:
-    """One transition's callbacks as one callable: those before the state change, the change,
-    those after it (the audit event first)."""
+    """One transition's callbacks as one callable: those before the state change, the change
+    (and the progress mark), those after it (the audit event first)."""
 
     def run() -> bool:
         for callback in before:
             callback()
         setattr(model, attribute, dest)
+        progress.moves += 1
         for callback in after:
             callback()
         return True
@@ -254,10 +262,25 @@ def _plan(
     return run
 
 
+class Progress:
+    """The mark the stall watchdog watches (``trainfsm.watchdog``): ``moves`` counts the machine's
+    transitions. One attribute write per transition, taken as the state changes; the watchdog
+    thread only reads it, so there is no lock and no clock read on the step's path."""
+
+    __slots__ = ("moves",)
+
+    def __init__(self) -> None:
+        self.moves = 0
+
+
 class TrainMachine(Machine):
     """``transitions.Machine`` with compiled events; states are plain strings."""
 
     event_cls = CompiledEvent
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.progress = Progress()
+        super().__init__(*args, **kwargs)
 
     def compile_events(self, model: Any, announce: Callable[[str, str, str], Callable[[], Any]]) -> None:
         """Resolve every trigger's callbacks; call after the last callback is registered.

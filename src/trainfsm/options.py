@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 MIXED_PRECISIONS: Final = ("fp16", "bf16")
 #: The trail's forms: routine steps as ``steps`` records, or every transition verbatim (debugging).
 TRAIL_FORMS: Final = ("compact", "full")
+#: What the stall watchdog does after it recorded a stall: keep waiting, or end the process.
+STALL_ACTIONS: Final = ("record", "exit")
 
 
 def int_at_least(name: str, value: Any, minimum: int) -> int:
@@ -129,4 +131,29 @@ def built(method: str, value: Any, expected: type | tuple[type, ...], allow_none
     if not isinstance(value, expected):
         names = " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
         raise TypeError(f"{method}() must return a {names}; got {type(value).__name__}.")
+    return value
+
+
+def stall_timeout(value: Any) -> float | str | None:
+    """``"auto"``, a positive number of seconds, or None (no watchdog)."""
+    if value is None or value == "auto":
+        return None if value is None else "auto"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"stall_timeout must be 'auto', a positive number of seconds or None (no watchdog); "
+            f"got {value!r} ({type(value).__name__})."
+        )
+    if not 0 < value < float("inf"):  # also refuses NaN
+        raise ValueError(
+            f"stall_timeout must be 'auto', a positive number of seconds or None (no watchdog); got {value!r}."
+        )
+    return float(value)
+
+
+def stall_action(value: Any) -> str:
+    if not isinstance(value, str) or value not in STALL_ACTIONS:
+        raise ValueError(
+            f"stall_action must be one of {', '.join(repr(a) for a in STALL_ACTIONS)} (record the stall and "
+            f"keep waiting, or record it and end the process); got {value!r}."
+        )
     return value

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm import collectives
+from trainfsm import activity, collectives
 from trainfsm import machine as fsm
 from trainfsm.collectives import failed_collective
 from trainfsm.hooks.base import BaseHook, overrides
@@ -60,6 +60,14 @@ if TYPE_CHECKING:
     from trainfsm.step import Stepper
     from trainfsm.step_info import StepInfo
     from trainfsm.trainer import BaseTrainer
+    from trainfsm.watchdog import Watchdog
+
+
+#: Every method of the hook contract a hook may define: ``BaseHook``'s and the state methods.
+HOOK_METHODS: tuple[str, ...] = (
+    *(name for name in vars(BaseHook) if name.startswith(("on_", "wants_")) and callable(vars(BaseHook)[name])),
+    *(name for name, _, _ in fsm.state_hook_names()),
+)
 
 
 class Hooks:
@@ -86,6 +94,10 @@ class Hooks:
         # BaseHook.on_log calls on_log_scalars (the other published spelling): either counts.
         self._log = tuple(hook for hook in hooks if overrides(hook, "on_log") or overrides(hook, "on_log_scalars"))
         self._log_images = overriding("on_log_images")
+        for hook in hooks:  # a stalled rank's stack names the hook method it is in (trainfsm.activity)
+            for name in HOOK_METHODS:
+                if overrides(hook, name):
+                    activity.name_hook(getattr(type(hook), name))
         #: Whether a step's end has anything to ask or evaluate (most runs: only wants_checkpoint).
         self.at_step_end = bool(self._evaluate or self._step_info or self._wants_stop)
 
@@ -188,6 +200,7 @@ class Run:
     agreement: LossNoneAgreement | None = None  # loss_none_agreement with several ranks
     warn_loss_none: bool = False  # the model is a DDP/FSDP wrapper
     triggers: dict[str, Callable[[], bool]] = field(default_factory=dict)  # name -> the compiled trigger
+    watchdog: Watchdog | None = None  # the stall watchdog (stall_timeout), stopped just before the exit event
     # The step in flight (reset as it begins; a retry resets micro, losses and records).
     micro: int = 0
     retries: int = 0

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from trainfsm import activity
 from trainfsm.collectives import LossNoneAgreement
 from trainfsm.finite import FiniteCheck
 from trainfsm.options import MIXED_PRECISIONS
+from trainfsm.utils import is_distributed_wrapper
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -41,6 +43,7 @@ class Stepper:
         it and ``no_sync_accumulate`` allows it."""
         model, accumulation = trainer.model, trainer.gradient_accumulation_steps
         no_sync = getattr(model, "no_sync", None) if trainer.no_sync_accumulate and accumulation > 1 else None
+        activity.name(cls._forward_backward, forward_or_backward(model is not None and is_distributed_wrapper(model)))
         return cls(
             model=model,  # type: ignore[arg-type]
             optimizer=trainer.optimizer,  # type: ignore[arg-type]
@@ -212,3 +215,22 @@ def retries_used_up(step: int, retries: int, limit: int) -> RuntimeError:
         f"stepping non-finite values into the weights. Lower the learning rate, set grad_clip, "
         f"or check the data."
     )
+
+
+def forward_or_backward(distributed: bool) -> activity.Describe:
+    """``_forward_backward``'s frame: in the user's ``forward`` when it called a Python frame, else
+    (in C: almost always ``backward``) in backward, where DDP's and FSDP's gradient collectives wait
+    for every rank."""
+
+    def describe(frame: Any, inner: Any) -> tuple[str, bool]:
+        if inner is not None:
+            return "forward", False
+        if distributed:
+            return "backward, whose gradient all-reduce (DDP) or reduce-scatter (FSDP) waits for every rank", True
+        return "backward", False
+
+    return describe
+
+
+activity.name(Stepper.check_and_clip, "the gradients' finite check and clipping")
+activity.name(Stepper.apply, "the optimizer step")

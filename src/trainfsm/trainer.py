@@ -33,10 +33,12 @@ from trainfsm.step import Stepper, retries_used_up
 from trainfsm.step_info import StepInfo
 from trainfsm.torch_workarounds import import_collectives_before_any_group, warn_if_group_kept_alive
 from trainfsm.utils import is_distributed_wrapper, unwrap
+from trainfsm.watchdog import Watchdog
 
 if TYPE_CHECKING:
     import signal
 
+    from trainfsm.machine import Progress
     from trainfsm.preemption.slurm import SlurmJob
 
 import_collectives_before_any_group()  # a script imports us before it creates its group (see there)
@@ -111,6 +113,13 @@ class BaseTrainer(fsm.Triggers):
       loss is None, so one rank may skip alone (one small all-reduce per micro-batch).
     - ``trail_form``: ``"compact"`` (routine steps as ``steps`` records) or ``"full"`` (every
       transition verbatim, for debugging the trail).
+    - ``stall_timeout``: the stall watchdog's budget: ``"auto"`` (default: learned from the run's
+      own steps and saves, ``trainfsm.watchdog``), seconds without a transition in any state, or
+      None (no watchdog). A rank past its budget writes a ``stall`` event saying where it is and
+      what it waits in.
+    - ``stall_action``: ``"record"`` (default: record the stall and keep waiting) or ``"exit"``
+      (record it, requeue under SLURM, and end the process with status 75 and exit reason
+      ``stalled``, so torchrun's restarts or the requeued job resume from the newest checkpoint).
     """
 
     def __init__(
@@ -128,6 +137,8 @@ class BaseTrainer(fsm.Triggers):
         max_epochs: int | None = None,
         loss_none_agreement: bool = False,
         trail_form: str = "compact",
+        stall_timeout: float | str | None = "auto",
+        stall_action: str = "record",
     ) -> None:
         self.max_steps: int = check.positive_int("max_steps", max_steps)  # type: ignore[assignment]
         self.grad_clip = check.grad_clip(grad_clip)
@@ -147,6 +158,8 @@ class BaseTrainer(fsm.Triggers):
         self.max_epochs = check.positive_int("max_epochs", max_epochs, allow_none=True)
         self.loss_none_agreement = check.boolean("loss_none_agreement", loss_none_agreement)
         self.trail_form = check.trail_form(trail_form)
+        self.stall_timeout = check.stall_timeout(stall_timeout)
+        self.stall_action = check.stall_action(stall_action)
         #: Micro-batches this rank skipped for loss=None in this launch (with loss_none_agreement,
         #: also those another rank returned None for): checkpoints compare the ranks' counts.
         self.loss_none_skips = 0
@@ -243,6 +256,7 @@ class BaseTrainer(fsm.Triggers):
         fsm.bind(machine, "enter", fsm.EXIT, self._enter_exit)
         fsm.bind(machine, "enter", fsm.EXIT, self._finish_exit)
         machine.compile_events(self, event_log.transition_recorder)
+        watchdog = run.watchdog = self._watchdog(machine.progress, run)
         # What each state does, returning the trigger that leaves it (None: EXIT, the end).
         work: dict[str, Callable[[], Callable[[], bool] | None]] = {
             fsm.BUILD: self._build,
@@ -262,12 +276,35 @@ class BaseTrainer(fsm.Triggers):
             run.record_failure(self, exc)
             raise
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             event_log.close()
         if self.exit_reason is ExitReason.PREEMPTED:
             preemption.wait_before_exit()
             raise SystemExit(self.exit_code)
         if run.exit_errors:  # EXIT's work failed after training completed: recorded, now raised
             raise run.exit_errors[0]
+
+    def _watchdog(self, progress: Progress, run: Run) -> Watchdog | None:
+        """The stall watchdog of this ``train()``, started; None with ``stall_timeout=None``."""
+        if self.stall_timeout is None:
+            return None
+        event_log = run.event_log
+
+        def record(level: str, event: str, **fields: Any) -> None:
+            event_log.write_from_thread(level, event, self.step, self.state, **fields)
+
+        watchdog = Watchdog(
+            timeout=self.stall_timeout,
+            action=self.stall_action,
+            progress=progress,
+            trainer=self,
+            event_log=event_log,
+            micro=lambda: run.micro,
+            requeue=lambda: run.preemption.requeue_after_stall(record),
+        )
+        watchdog.start()
+        return watchdog
 
     # ---------------------------------------------------------------- states
     def _build(self) -> Callable[[], bool]:
@@ -428,6 +465,8 @@ class BaseTrainer(fsm.Triggers):
         if self.exit_reason is None or (run.exit_errors and run.failure is None):
             self.exit_reason, self.exit_code = ExitReason.FAILED, 1
         run.preemption.at_exit(self.exit_reason is ExitReason.PREEMPTED)
+        if run.watchdog is not None:  # the exit event is the attempt's last: no stall event after it
+            run.watchdog.stop()
         self.events.info("exit", reason=self.exit_reason, code=self.exit_code)
 
     # ---------------------------------------------------------------- data

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
+from trainfsm import activity
 from trainfsm.checkpoint.store import CheckpointError
 from trainfsm.utils import local_part, map_nested_tensor
 
@@ -183,3 +184,7 @@ def _shaped_like(original: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     dtensor: Any = original
     staged: torch.Tensor = type(dtensor)(local, dtensor._spec, requires_grad=False)
     return staged
+
+
+activity.name(BackgroundSaves.settle, "waiting for the asynchronous save in flight")
+activity.name(BackgroundSaves.wait_staged, "waiting for the asynchronous save's copies")

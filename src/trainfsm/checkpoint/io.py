@@ -29,6 +29,8 @@ from typing import IO, Any, Final, cast
 
 import torch
 
+from trainfsm import activity
+
 #: The checksums a store writes and reads: a manifest's "checksum" names one of them.
 CHECKSUMS: Final = ("xxh3_128", "sha256")
 # Staging buffers, written in order by one I/O thread while torch fills the next ones. Measured with
@@ -320,3 +322,11 @@ def serialize(obj: Any, writer: DurableWriter) -> None:
             zip_writer.write_end_of_file()
         raise
     zip_writer.write_end_of_file()
+
+
+activity.name(DurableWriter.write, "a checkpoint file write")
+activity.name(DurableWriter._wait_for_write, "waiting for a checkpoint file write (the store's I/O thread)")
+activity.name(DurableWriter.finish, "a checkpoint file's last write and fsync")
+activity.name(write_durable, "a checkpoint's durable write (manifest or pointer)")
+activity.name(fsync_dir, "an fsync of a checkpoint directory")
+activity.name(file_sums, "checksumming a checkpoint file")

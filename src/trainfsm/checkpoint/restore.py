@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm import collectives
+from trainfsm import activity, collectives
 from trainfsm.checkpoint.store import TRAINFSM, TRAINLOOP, CheckpointError, CheckpointStore, foreign_in_the_way
 from trainfsm.checkpoint.trainloop import is_trainloop
 from trainfsm.checkpoint.trainloop import load as load_trainloop
@@ -245,3 +245,6 @@ def _shape(value: Any) -> torch.Size | None:
     if isinstance(value, torch.Tensor):
         return value.shape  # a DTensor's is the global shape
     return value if isinstance(value, torch.Size) else None
+
+
+activity.name(restore, "a checkpoint load")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
-from trainfsm import collectives
+from trainfsm import activity, collectives
 from trainfsm.checkpoint.background import BackgroundSaves, stage
 from trainfsm.checkpoint.io import describe_file
 from trainfsm.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
@@ -300,3 +300,6 @@ def _refusal(key: str, what: str = "") -> CheckpointError:
         f"StateDictOptions(full_state_dict=True, cpu_offload=True) "
         f"(torch.distributed.checkpoint.state_dict) to save the whole model from rank 0."
     )
+
+
+activity.name(Saver.save, "a checkpoint save")

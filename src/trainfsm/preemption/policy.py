@@ -264,24 +264,38 @@ class Preemption:
         return signal.Signals(pending).name
 
     def _requeue(self) -> None:
-        policy, job = self.policy, self.job
-        if policy is None or job is None or policy.requeue is False:
+        policy = self.policy
+        if policy is not None:
+            self._requeue_by(policy.requeue, policy.max_requeues, lambda level, **f: getattr(self.log, level)(**f))
+
+    def requeue_after_stall(self, record: Callable[..., None]) -> None:
+        """The stall watchdog ends the process (``stall_action="exit"``): requeue the SLURM job
+        first, from whichever rank stalled, by the exit policy's rules (``requeue``,
+        ``max_requeues``; without a policy: batch jobs, no cap). ``record(level, event=...,
+        **fields)`` writes the ``requeue`` event from the watchdog's thread."""
+        policy = self.policy
+        requeue, cap = (policy.requeue, policy.max_requeues) if policy is not None else ("auto", None)
+        self._requeue_by(requeue, cap, record)
+
+    def _requeue_by(self, requeue: bool | str, cap: int | None, record: Callable[..., None]) -> None:
+        job = self.job
+        if job is None or requeue is False:
             return
-        if policy.requeue == "auto" and not slurm.is_batch_job(job.job_id):
+        if requeue == "auto" and not slurm.is_batch_job(job.job_id):
             return
-        if policy.max_requeues is not None and job.restart_count >= policy.max_requeues:
-            self.log.error(
-                "requeue",
-                command=None,
-                ok=False,
-                message=f"not requeued: SLURM_RESTART_COUNT={job.restart_count} reached max_requeues="
-                f"{policy.max_requeues}",
-            )
+        if cap is not None and job.restart_count >= cap:
+            message = f"not requeued: SLURM_RESTART_COUNT={job.restart_count} reached max_requeues={cap}"
+            record("error", event="requeue", command=None, ok=False, message=message)
             return
         result = slurm.requeue(job)
         self.requeued = result.ok
-        log = self.log.info if result.ok else self.log.error
-        log("requeue", command=" ".join(result.command), ok=result.ok, message=result.message)
+        record(
+            "info" if result.ok else "error",
+            event="requeue",
+            command=" ".join(result.command),
+            ok=result.ok,
+            message=result.message,
+        )
 
     def wait_before_exit(self) -> None:
         """``exit_wait`` (e.g. let SLURM record TIMEOUT, not FAILED); none after a requeue."""

@@ -28,7 +28,10 @@ means the run went on (it was resumed or restarted), by ``kind``:
 - ``killed``: the last attempt has no ``exit`` event on some rank (SIGKILL, out of memory, a lost
   node): reported at that rank's last record;
 - ``requeue_refused``: the last attempt's ``scontrol requeue`` failed (``requeue`` with ok=false,
-  the message says why): nothing will resume the run.
+  the message says why): nothing will resume the run;
+- ``stalled``: in the last attempt a rank's stall watchdog ended the process (exit reason
+  ``stalled``, code 75), or a rank's trail ends in a ``stall`` that never cleared (a run that hangs,
+  or hung until something killed it). A stall that cleared is not a problem: the rank went on.
 
 Consistency problems, by ``kind``:
 
@@ -56,7 +59,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm.machine import ExitReason
+from trainfsm.machine import STALL_EXIT_CODE, ExitReason
 from trainfsm.tools.replay import Problem, RankAttempt, Replay
 from trainfsm.tools.report import (
     SCHEMA,
@@ -81,7 +84,13 @@ PROBLEM_KINDS: Final = (
     "malformed",
 )
 #: A failed or interrupted run (its exit reason), an attempt killed and not resumed, a refused requeue.
-RUN_PROBLEM_KINDS: Final = (ExitReason.FAILED.value, ExitReason.INTERRUPTED.value, "killed", "requeue_refused")
+RUN_PROBLEM_KINDS: Final = (
+    ExitReason.FAILED.value,
+    ExitReason.INTERRUPTED.value,
+    "killed",
+    "requeue_refused",
+    ExitReason.STALLED.value,
+)
 
 
 def audit(inputs: Iterable[Path], jobs: int | None = None) -> AuditReport:
@@ -250,6 +259,8 @@ def _check_attempt(attempt: AttemptReport, problems: list[Problem], notes: list[
     if len(attempt.ranks) > 1:
         if attempt.killed:
             notes.append(Note(f"attempt {attempt.attempt}: ranks not compared, as not every rank has an exit event"))
+        elif any((r.exit or {}).get("reason") == ExitReason.STALLED for r in attempt.ranks):
+            notes.append(Note(f"attempt {attempt.attempt}: ranks not compared, as the stall watchdog ended it"))
         else:
             _compare_ranks(attempt, problems)
 
@@ -291,6 +302,31 @@ def _run_problems(attempts: list[AttemptReport]) -> list[Problem]:
                 f"no later attempt",
                 r.file,
                 r.exit_line,
+                r.rank,
+                last.attempt,
+            )
+        )
+    stalled = [r for r in last.ranks if r.stall_open is not None or (r.exit or {}).get("reason") == ExitReason.STALLED]
+    if stalled:
+        r = stalled[0]
+        stall = r.stall_open or (r.stalls[-1] if r.stalls else None)
+        where = (
+            f"in {stall['state']} at step {stall['step']} for {stall['seconds']:.0f} s: {stall['doing'] or 'user code'}"
+            if stall is not None
+            else f"at step {r.end_step}"
+        )
+        ended = (
+            f"the stall watchdog ended it (exit code {STALL_EXIT_CODE})"
+            if (r.exit or {}).get("reason") == ExitReason.STALLED
+            else "its trail ends in the stall"
+        )
+        found.append(
+            Problem(
+                ExitReason.STALLED.value,
+                f"attempt {last.attempt}: {ranks_text([x.rank for x in stalled])} stalled; rank {r.rank} {where}; "
+                f"{ended}; no later attempt",
+                r.file,
+                stall["line"] if stall is not None else r.exit_line,
                 r.rank,
                 last.attempt,
             )

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from trainfsm import machine as fsm
 from trainfsm.trail.reader import Record
-from trainfsm.trail.schema import EXIT_REASONS
+from trainfsm.trail.schema import BY, EXIT_REASONS
 
 #: The machine's table as the trainer runs it: (trigger, source, dest) rows.
 _TABLE: Final = frozenset(fsm.transition_rows())
@@ -82,6 +82,8 @@ class RankAttempt:
     requeue_line: int | None = None
     exit: dict[str, Any] | None = None
     exit_line: int | None = None
+    stalls: list[dict[str, Any]] = field(default_factory=list)  # each stall (its first report), cleared or not
+    stall_open: dict[str, Any] | None = None  # the last stall, while no stall_cleared followed it
     end_state: str = fsm.BUILD
     end_step: int = 0
     end_line: int = 0
@@ -122,7 +124,8 @@ class Replay:
         elif name == "transition":
             self._transition(record)
         else:
-            self._check_position(record)
+            if BY not in record.data:  # another thread's (the watchdog's): where the trainer was, not the replay
+                self._check_position(record)
             handler = _HANDLERS.get(record.name)
             if handler is not None:
                 handler(self, record)
@@ -327,6 +330,41 @@ class Replay:
         self.result.requeue = {"ok": data.get("ok"), "command": data.get("command"), "message": data.get("message")}
         self.result.requeue_line = record.line
 
+    def _stall(self, record: Record) -> None:
+        data = record.data
+        report = {
+            "rank": record.rank,
+            "state": record.state,
+            "step": record.step,
+            "ts": record.ts,
+            "seconds": data.get("seconds"),
+            "doing": data.get("doing"),
+            "collective": data.get("collective"),
+            "hook": data.get("hook"),
+            "at": (data.get("stack") or [None])[-1],  # the innermost frame
+            "reports": data.get("report"),
+            "line": record.line,
+        }
+        if self.result.stall_open is not None and data.get("report", 1) > 1:
+            self.result.stall_open.update(
+                seconds=report["seconds"],
+                reports=report["reports"],
+                last_ts=record.ts,
+                doing=report["doing"],
+                collective=report["collective"],
+                at=report["at"],
+            )
+            return
+        report["first_ts"] = report["last_ts"] = record.ts
+        report["cleared"] = None
+        self.result.stalls.append(report)
+        self.result.stall_open = report
+
+    def _stall_cleared(self, record: Record) -> None:
+        if self.result.stall_open is not None:
+            self.result.stall_open["cleared"] = record.data.get("seconds")
+        self.result.stall_open = None
+
     def _exit(self, record: Record) -> None:
         reason = record.data.get("reason")
         if reason not in EXIT_REASONS:
@@ -349,4 +387,6 @@ _HANDLERS: Final = {
     "exception": Replay._exception,
     "requeue": Replay._requeue,
     "exit": Replay._exit,
+    "stall": Replay._stall,
+    "stall_cleared": Replay._stall_cleared,
 }

@@ -23,19 +23,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final
 
 from trainfsm import machine as fsm
 from trainfsm.machine import ExitReason
 from trainfsm.tools.audit import audit_trail
+from trainfsm.tools.replay import RankAttempt
 from trainfsm.tools.report import AttemptReport, AuditReport, group_restart, since_text, verdict
 from trainfsm.trail.reader import Record, open_trail
 
 DEFAULT_EVENTS: Final = 10
 
 #: Exit reasons that get a story (as does an attempt without an exit event).
-_TRACED: Final = frozenset({ExitReason.FAILED, ExitReason.INTERRUPTED, ExitReason.PREEMPTED})
+_TRACED: Final = frozenset({ExitReason.FAILED, ExitReason.INTERRUPTED, ExitReason.PREEMPTED, ExitReason.STALLED})
 
 #: States in which the trainer's step is the step being run (it went up on entering STEP).
 _RUNNING: Final = frozenset({fsm.STEP, fsm.ACCUMULATE, fsm.RETRY})
@@ -59,8 +61,13 @@ class TraceReport:
     tails: dict[tuple[int, int], _Tail]
 
     def traced(self) -> list[AttemptReport]:
-        """The attempts worth a story: failed, interrupted, preempted, killed."""
-        return [a for a in self.audit.attempts if a.killed or _reason(a) in _TRACED]
+        """The attempts worth a story: failed, interrupted, preempted, stalled, killed, or with a rank
+        whose trail ends in a stall (a run that hangs as the trail is read)."""
+        return [
+            a
+            for a in self.audit.attempts
+            if a.killed or _reason(a) in _TRACED or any(r.stall_open or _stalled(r) for r in a.ranks)
+        ]
 
 
 def trace(inputs: Iterable[Path], events: int = DEFAULT_EVENTS) -> TraceReport:
@@ -117,6 +124,7 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
     else:
         outcome = f"{first.exit['reason']} (exit code {first.exit['code']})"
     lines = [f"attempt {attempt.attempt}: {outcome}"]
+    lines.extend(_stall_story(attempt))
     cause = _cause(report, attempt)
     if cause is not None:
         lines.append(cause)
@@ -155,6 +163,60 @@ def _cause(report: TraceReport, attempt: AttemptReport) -> str | None:
     return (
         f"  cause: rank {first.rank} at step {first.step} ({first.state}): {data.get('type')}: "
         f"{_short(data.get('message'))} ({first.where()}){after}"
+    )
+
+
+def _stalled(rank: RankAttempt) -> bool:
+    return (rank.exit or {}).get("reason") == ExitReason.STALLED
+
+
+def _stall_story(attempt: AttemptReport) -> list[str]:
+    """Who holds the others up, and where each rank is. A rank the watchdog reports stuck keeps
+    writing ``stall`` events (2x, 4x, ... its budget) until it moves, ends, or is killed; a rank
+    frozen (SIGSTOP, a hung node) or killed writes nothing more, so among ranks that wait in a
+    collective, the one whose trail went quiet is the one to look at."""
+    stalls = {
+        r.rank: (r.stall_open or r.stalls[-1]) for r in attempt.ranks if r.stall_open or (_stalled(r) and r.stalls)
+    }
+    if not stalls:
+        return []
+    waiting = {rank for rank, stall in stalls.items() if stall.get("collective")}
+    latest = max(stall["last_ts"] for stall in stalls.values())
+    lines = []
+    holding: list[str] = []
+    for r in attempt.ranks:
+        stall = stalls.get(r.rank)
+        if stall is not None and r.rank not in waiting:
+            how = "stuck, then ended by the stall watchdog" if _stalled(r) else "stuck, alive at its last report"
+            holding.append(f"rank {r.rank}: {how}: {_stall_text(stall)}")
+        elif stall is None and r.exit is None:
+            quiet = latest - r.ended_at
+            holding.append(
+                f"rank {r.rank}: no record for {quiet:.1f} s before the others' last stall report, last in "
+                f"{position(r.end_state, r.end_step)} ({r.file}:{r.end_line}): frozen or killed (a rank that is "
+                f"alive but stuck keeps writing stall events)"
+            )
+        elif stall is None and r.exit is not None and r.exit.get("reason") != ExitReason.STALLED:
+            holding.append(f"rank {r.rank}: left the group: exit {r.exit['reason']} (code {r.exit['code']})")
+    if holding and waiting:
+        lines.append("  held up by: " + "; ".join(holding))
+    elif holding:
+        lines.append("  stalled: " + "; ".join(holding))
+    for rank in sorted(waiting):
+        lines.append(f"  waiting: rank {rank}: {_stall_text(stalls[rank])}")
+    return lines
+
+
+def _stall_text(stall: dict[str, Any]) -> str:
+    since = datetime.fromtimestamp(stall["first_ts"] - (stall["seconds"] or 0), timezone.utc)
+    if stall.get("reports") and stall["reports"] > 1:  # the first report's own seconds went up to the last's
+        since = datetime.fromtimestamp(stall["last_ts"] - (stall["seconds"] or 0), timezone.utc)
+    doing = stall.get("doing") or "not in the trainer's own code"
+    at = f" at {stall['at']}" if stall.get("at") else ""
+    how = "" if stall.get("cleared") is None else f", cleared after {stall['cleared']:.1f} s"
+    return (
+        f"in {position(stall['state'], stall['step'])} since {since:%Y-%m-%d %H:%M:%S} UTC "
+        f"({stall['seconds']:.1f} s at the last of {stall['reports']} stall reports{how}): {doing}{at}"
     )
 
 

@@ -65,9 +65,19 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "cuda_memory_unavailable": ("device",),
     "collective_failed": ("note", "trails"),
     "group_outlives_destroy": ("cause",),
+    "stall": ("micro", "seconds", "budget", "report", "action", "doing", "collective", "hook", "stack", "by"),
+    "stall_cleared": ("seconds", "reports", "stalled_state", "stalled_step", "by"),
     "exception": ("type", "message", "traceback"),
     "exit": ("reason", "code"),
 }
+
+#: The field of an event written by another thread while the trainer's thread was stuck (the
+#: stall watchdog's ``stall``, ``stall_cleared``, and with ``stall_action="exit"`` its ``requeue``
+#: and ``exit``): ``"by": "watchdog"``. Such an event may come before transitions the trainer's
+#: thread had recorded but not yet written, so the audit does not check its step and state against
+#: its replay (they are the trainer's, read by the watchdog).
+BY: Final = "by"
+WATCHDOG: Final = "watchdog"
 
 #: The fields every event carries -> what they mean (the reference page is built from this).
 COMMON_FIELDS: Final[dict[str, str]] = {
@@ -214,11 +224,29 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "BUILD: torch holds the default process group (trainfsm was imported after it was created), so the "
         "process may abort at exit; also a `GroupOutlivesDestroyWarning`",
     ),
+    "stall": (
+        "`micro` (the micro-batch in flight), `seconds` (since the rank's last transition), `budget` (the "
+        "state's, `stall_timeout`), `report` (1, then 2, 3, ... at 2x, 4x, ... the budget), `action` "
+        "(`record` or `exit`), `doing` (what the rank's main thread is in, innermost first: \"the step-end "
+        'signal agreement (all-reduce)", "the data loader\'s next()", "a checkpoint file write, in a '
+        "checkpoint save, in hook CheckpointingHook.on_enter_checkpoint\"; null when none of the trainer's "
+        "own code is on the stack: the user's), `collective` (the wait for every rank it is in, or null), "
+        "`hook` (the hook method it is in, or null), `stack` (the main thread's innermost frames, "
+        "`file:line function`, outermost first), `by` (`watchdog`)",
+        "the stall watchdog: the rank made no transition for longer than its budget (`trainfsm.watchdog`); "
+        "written from the watchdog's thread and flushed at once",
+    ),
+    "stall_cleared": (
+        "`seconds` (how long the rank was stuck), `reports` (stall events written), `stalled_state`, "
+        "`stalled_step` (where it was stuck), `by` (`watchdog`)",
+        "a rank that was reported stalled made a transition again",
+    ),
     "exception": ("`type`, `message`, `traceback`", "an exception, before `fail` takes the machine to EXIT"),
     "exit": (
-        "`reason` (`completed`, `preempted`, `failed`, `stopped`, `interrupted`), `code`: the status the "
-        "process exits with (the shell's `$?`): 130 for Ctrl-C (`interrupted`: Python ends itself with "
-        "SIGINT), a `SystemExit`'s own code (`stopped` when 0)",
+        "`reason` (`completed`, `preempted`, `failed`, `stopped`, `interrupted`, `stalled`), `code`: the "
+        "status the process exits with (the shell's `$?`): 130 for Ctrl-C (`interrupted`: Python ends "
+        "itself with SIGINT), a `SystemExit`'s own code (`stopped` when 0), 75 for `stalled` (the stall "
+        'watchdog ended the process, `stall_action="exit"`: written by its thread, with `by`)',
         "the last event of a launch",
     ),
 }

@@ -37,7 +37,7 @@ import structlog
 
 from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
 from trainfsm.trail.files import SEGMENT_BYTES, compress, next_number, segment_path, unfinished
-from trainfsm.trail.schema import transition_event
+from trainfsm.trail.schema import BY, WATCHDOG, transition_event
 
 try:  # orjson renders an event ~5x faster than json; both give the same JSON lines.
     import orjson
@@ -61,7 +61,7 @@ BATCH: Final = 64
 #: after they ended (under a second). No thread: a clock read per step, a write per interval.
 FLUSH_SECONDS: Final = 0.5
 
-_CONSOLE_FIELDS_SKIPPED: Final = frozenset({"ts", "event", "rank", "run_id", "attempt", "traceback"})
+_CONSOLE_FIELDS_SKIPPED: Final = frozenset({"ts", "event", "rank", "run_id", "attempt", "traceback", "stack", "by"})
 _START, _NEXT, _END = ROUTINE_START, ROUTINE_NEXT, ROUTINE_END
 
 
@@ -354,6 +354,33 @@ class EventLog:
     def _discard(_: Any, __: str, event: MutableMapping[str, Any]) -> bytes:
         return b""
 
+    def write_from_thread(self, level: str, event: str, step: int, state: str, **fields: Any) -> None:
+        """An event from another thread (the stall watchdog) while the trainer's thread is stuck.
+
+        Rendered here and written to the file with a flush of its own, past the in-memory queue:
+        that queue is the trainer's thread's, unlocked on purpose (the step's path takes no lock).
+        The file object serializes the two threads' writes line by line. Such an event may precede
+        in the file transitions the trainer's thread recorded but had not written yet (the step in
+        flight, or under ``FLUSH_SECONDS`` of steps): the reader takes it as out of band
+        (``trainfsm.trail.schema.OUT_OF_BAND``), and its own ``step`` and ``state`` say where the
+        trainer was."""
+        record = {"ts": self._clock(), "event": event, **self._common, "step": step, "state": state, **fields}
+        record[BY] = WATCHDOG
+        levelno = logging.getLevelName(level.upper())
+        if self.console.isEnabledFor(levelno):
+            self.console.log(levelno, "%s", render_console(record))
+        line = _dumps(record)
+        for _ in range(200):
+            file = self._file
+            if file is None:  # closed: the trainer's thread reached the end after all
+                return
+            try:
+                file.write(line)
+                file.flush()
+                return
+            except ValueError:  # closed by a rotation between reading _file and writing: the next one
+                time.sleep(0.005)
+
     def exception(self, exc: BaseException) -> None:
         """The ``exception`` event, with the full traceback (a failure in ``train()`` or in EXIT)."""
         self.log.error(
@@ -392,4 +419,7 @@ def render_console(event: MutableMapping[str, Any]) -> str:
         if key not in _CONSOLE_FIELDS_SKIPPED and key not in ("step", "state") and value is not None
     )
     head = f"[rank {event.get('rank', 0)}] step {event.get('step')} {event.get('state')} {event['event']}"
+    stack = event.get("stack")
+    if stack:  # a stall: the innermost frame, not the whole stack
+        fields = f"{fields} at={stack[-1]}"
     return f"{head} {fields}" if fields else head

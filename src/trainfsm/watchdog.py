@@ -1,0 +1,255 @@
+"""The stall watchdog: a rank that stops moving says so in its trail, where and in what.
+
+A stalled multi-rank job is quiet: one rank stops (a frozen peer, a deadlocked data-loader
+worker, a write on a stalled file system, user code stuck in I/O) and every other rank waits in a
+collective until its timeout, or forever. The watchdog is a daemon thread per rank, started by
+``train()`` once the trail is open and stopped just before it closes. The machine counts its
+transitions (``trainfsm.machine.Progress``: one attribute write per transition, nothing else on
+the step's path); the thread reads that count ``TICKS_PER_SECOND`` times a second. When the count
+stays the same for longer than the state's budget, it writes a ``stall`` event at once (state, step,
+micro-batch, seconds, and what the main thread is doing, read from its stack by
+``trainfsm.activity``), again at 2x, 4x, ... the budget, and ``stall_cleared`` when the rank moves
+again. With ``stall_action="exit"`` the first report is followed by a requeue under SLURM (the
+preemption's rules) and the end of the process with ``STALL_EXIT_CODE``, so ``torchrun
+--max-restarts`` or the requeued job resumes from the newest checkpoint.
+
+Budgets (``stall_timeout="auto"``; a number of seconds is one budget for every state), chosen so
+that a slow but healthy rank is never reported (``AutoBudgets``):
+
+- BUILD, RESTORE, EXIT and the first step of a launch: ``AUTO.build`` etc., 10 minutes. Nothing
+  has been measured yet; these are where datasets download, checkpoints load, kernels compile and
+  the last uploads run.
+- A step (STEP, ACCUMULATE, RETRY): ``max(2 minutes, 10 x the slowest of the last 100 steps)``,
+  steps as the watchdog saw them (to a tick). A validation or a save 5x slower than a step stays
+  under it; one slower than that and than 2 minutes is reported, and cleared when it ends.
+- CHECKPOINT: ``max(5 minutes, 4 x the slowest earlier save, the state's bytes at 20 MB/s)``: a
+  save's time grows with its bytes and the file system's worst days.
+
+Detection takes at most one tick past the budget. ``stall_timeout=None`` starts no thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+
+from trainfsm import activity
+from trainfsm import machine as fsm
+from trainfsm.machine import STALL_EXIT_CODE, ExitReason
+
+if TYPE_CHECKING:
+    from trainfsm.machine import Progress
+    from trainfsm.trail.writer import EventLog
+
+#: How often the thread looks at the progress mark; a stall is reported at most a tick late.
+TICKS_PER_SECOND: Final = 4
+
+
+@dataclass(frozen=True, slots=True)
+class AutoBudgets:
+    """``stall_timeout="auto"``: seconds per state (see the module's docstring for why)."""
+
+    build: float = 600.0
+    restore: float = 600.0
+    first_step: float = 600.0
+    step_floor: float = 120.0
+    step_multiple: float = 10.0
+    step_window: int = 100
+    checkpoint_floor: float = 300.0
+    checkpoint_multiple: float = 4.0
+    checkpoint_bytes_per_second: float = 20e6
+    exit: float = 600.0
+
+
+AUTO = AutoBudgets()
+
+_STEPPING: Final = frozenset({fsm.STEP, fsm.ACCUMULATE, fsm.RETRY})
+
+
+class Watchdog:
+    """One rank's watchdog thread (``start`` / ``stop``); see the module's docstring."""
+
+    def __init__(
+        self,
+        *,
+        timeout: float | str,
+        action: str,
+        progress: Progress,
+        trainer: Any,
+        event_log: EventLog,
+        micro: Callable[[], int],
+        requeue: Callable[[], None],
+        exit: Callable[[int], None] = os._exit,
+    ) -> None:
+        self.fixed = None if timeout == "auto" else float(timeout)
+        self.action = action
+        self.progress = progress
+        self.trainer = trainer
+        self.event_log = event_log
+        self.micro = micro
+        self.requeue = requeue  # under SLURM: the preemption's requeue, its cap and array rules
+        self._exit = exit
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # What the thread has seen: the mark, when it last moved, where the trainer was then.
+        self._moves = -1
+        self._since = 0.0
+        self._state = fsm.BUILD
+        self._step = 0
+        self._reports = 0
+        self._steps: deque[float] = deque(maxlen=AUTO.step_window)  # seconds per observed step
+        self._step_began: float | None = None
+        self._saves: list[float] = []
+        self._save_began: float | None = None
+        self._bytes: int | None = None  # the state's size, measured once, when a save runs long
+
+    # ---------------------------------------------------------------- lifetime
+    def start(self) -> None:
+        self._moves, self._since = self.progress.moves, time.monotonic()
+        self._state, self._step = self.trainer.state, self.trainer.step
+        self._thread = threading.Thread(target=self._watch, name="trainfsm-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread; a stall it reported that has ended since its last look is cleared now,
+        so the trail never ends in a stall the rank got out of. Idempotent."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        if self._reports and self.progress.moves != self._moves:
+            self.look(time.monotonic())
+
+    def _watch(self) -> None:
+        wait = self._stop.wait
+        tick = 1.0 / TICKS_PER_SECOND
+        while not wait(tick):
+            try:
+                self.look(time.monotonic())
+            except Exception as exc:  # a watchdog that fails must not end the run: say so, stop watching
+                self.event_log.console.warning("trainfsm: the stall watchdog stopped: %r", exc)
+                return
+
+    # ---------------------------------------------------------------- one look
+    def look(self, now: float) -> None:
+        """Compare the mark with the last look: learn from a move, report a stall."""
+        moves = self.progress.moves
+        trainer = self.trainer
+        if moves != self._moves:
+            state, step = trainer.state, trainer.step
+            if self._reports:
+                self.event_log.write_from_thread(
+                    "info",
+                    "stall_cleared",
+                    step,
+                    state,
+                    seconds=round(now - self._since, 3),
+                    reports=self._reports,
+                    stalled_state=self._state,
+                    stalled_step=self._step,
+                )
+            self._learn(now, state, step)
+            self._moves, self._since, self._state, self._step, self._reports = moves, now, state, step, 0
+            return
+        stuck = now - self._since
+        budget = self.budget(self._state, stuck)
+        if stuck >= budget * (1 << self._reports):
+            self._report(stuck, budget)
+
+    def _learn(self, now: float, state: str, step: int) -> None:
+        if step != self._step and state in _STEPPING:  # a step began: the one before it ended
+            if self._step_began is not None:
+                self._steps.append(now - self._step_began)
+            self._step_began = now
+        if state == fsm.CHECKPOINT and self._state != fsm.CHECKPOINT:
+            self._save_began = now
+        elif state != fsm.CHECKPOINT and self._save_began is not None:
+            self._saves.append(now - self._save_began)
+            self._save_began = None
+
+    def budget(self, state: str, stuck: float = 0.0) -> float:
+        """Seconds this state may go without a transition (``stuck``: how long it has)."""
+        if self.fixed is not None:
+            return self.fixed
+        auto = AUTO
+        if state in _STEPPING:
+            if not self._steps:
+                return auto.first_step
+            return max(auto.step_floor, auto.step_multiple * max(self._steps))
+        if state == fsm.CHECKPOINT:
+            budget = max(auto.checkpoint_floor, auto.checkpoint_multiple * max(self._saves, default=0.0))
+            if stuck >= budget:  # only then is the state's size worth measuring
+                if self._bytes is None:
+                    self._bytes = state_bytes(self.trainer)
+                budget = max(budget, self._bytes / auto.checkpoint_bytes_per_second)
+            return budget
+        if state == fsm.BUILD:
+            return auto.build
+        if state == fsm.RESTORE:
+            return auto.restore
+        return auto.exit
+
+    def _report(self, stuck: float, budget: float) -> None:
+        self._reports += 1
+        doing = activity.main_thread_activity()
+        try:
+            micro = self.micro()
+        except Exception:
+            micro = None
+        self.event_log.write_from_thread(
+            "warning",
+            "stall",
+            self._step,
+            self._state,
+            micro=micro,
+            seconds=round(stuck, 3),
+            budget=round(budget, 3),
+            report=self._reports,
+            action=self.action,
+            **doing.as_event(),
+        )
+        if self.action == "exit":
+            self._end(STALL_EXIT_CODE)
+
+    def _end(self, code: int) -> None:
+        """Requeue under SLURM, record the exit, end the process: the main thread is stuck, so
+        nothing of EXIT runs (the trail was flushed line by line; a checkpoint in the making is
+        left as a ``.tmp-*`` that the next RESTORE removes)."""
+        try:
+            self.requeue()
+        except Exception as exc:
+            self.event_log.console.error("trainfsm: requeue after a stall failed: %r", exc)
+        self.trainer.exit_reason, self.trainer.exit_code = ExitReason.STALLED, code
+        self.event_log.write_from_thread("error", "exit", self._step, self._state, reason=ExitReason.STALLED, code=code)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        self._exit(code)
+
+
+def state_bytes(trainer: Any) -> int:
+    """The model's and optimizer's tensors in bytes (what a save writes, roughly)."""
+    total = 0
+    try:
+        model, optimizer = trainer.model, trainer.optimizer
+        tensors: Any = itertools.chain(model.parameters(), model.buffers()) if model is not None else ()
+        if optimizer is not None:
+            tensors = itertools.chain(
+                tensors, (v for s in list(optimizer.state.values()) for v in s.values() if isinstance(v, torch.Tensor))
+            )
+        for tensor in tensors:
+            total += tensor.numel() * tensor.element_size()
+    except Exception:  # the main thread changed it under us: what was counted
+        pass
+    return total
