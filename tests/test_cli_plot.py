@@ -5,13 +5,16 @@ from __future__ import annotations
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.cli_helpers import cli, preempted, read_lines, run, trail, write_lines
-from trainfsm.tools.plot import STATE_COLORS
+from tests.helpers import TinyTrainer, trail_events
+from trainfsm import CheckpointingHook
+from trainfsm.tools.plot import STALL_GID, STATE_COLORS
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -119,3 +122,95 @@ def test_compact_routine_steps_give_the_same_spans_as_every_transition(tmp_path:
     states = [span[2] for span in compact.spans[0]]
     assert states == [span[2] for span in full.spans[0]]
     assert states.count("ACCUMULATE") == 8 and states.count("CHECKPOINT") == 2
+
+
+class SlowStep(TinyTrainer):
+    """Its forward sleeps 1.5 s in step 3: with ``stall_timeout=0.5`` the watchdog reports a stall
+    (at 0.5 s and 1 s), then clears it when the step ends."""
+
+    def forward(self, input: Any) -> Any:
+        if self.step == 3:
+            time.sleep(1.5)
+        return super().forward(input)
+
+
+def _stalled_run(workspace: Path) -> list[dict[str, Any]]:
+    """A real run with a stall in ACCUMULATE at step 3; its trail's lines as written."""
+    SlowStep(max_steps=5, workspace=workspace, hooks=[CheckpointingHook(interval=100)], stall_timeout=0.5).train()
+    return read_lines(trail(workspace))
+
+
+def _stall_rectangles(figure: Any) -> list[Any]:
+    return [patch for patch in figure.axes[0].patches if patch.get_gid() == STALL_GID]
+
+
+def _legend(figure: Any) -> list[str]:
+    return [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+
+
+def test_plot_shades_a_stall_from_the_last_transition_to_its_clearing(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from trainfsm.tools.plot import collect, draw, plot
+
+    lines = _stalled_run(tmp_path / "run")
+    first = next(e for e in lines if e["event"] == "stall" and e["state"] == "ACCUMULATE" and e["report"] == 1)
+    cleared = next(e for e in lines if e["event"] == "stall_cleared" and e["stalled_state"] == "ACCUMULATE")
+    start = first["ts"] - first["seconds"]  # the rank's last transition, as the watchdog saw it
+    end = start + cleared["seconds"]
+    # the watchdog's times agree with the step's: it began with step 3's ACCUMULATE, ended after it
+    step3 = [e for e in trail_events(tmp_path / "run") if e["event"] == "transition" and e["step"] == 3]
+    assert step3[0]["dest"] == "ACCUMULATE" and step3[-1]["source"] == "ACCUMULATE"
+    assert step3[0]["ts"] - 0.01 <= start <= step3[0]["ts"] + 0.5
+    assert end >= step3[-1]["ts"] - 0.01 and end - start >= 1.0
+
+    timeline, _ = collect([tmp_path / "run"])
+    figure = draw(timeline)
+    t0 = min(e["ts"] for e in lines)  # the time axis: seconds since the first event
+    drawn = {text.get_text(): text.xy for text in figure.axes[0].texts}
+    assert drawn["stall rank 0 (ACCUMULATE, step 3)"][0] == pytest.approx(start - t0)
+    rectangles = {round(r.get_x(), 6): r for r in _stall_rectangles(figure)}
+    rectangle = rectangles[round(start - t0, 6)]
+    assert rectangle.get_width() == pytest.approx(end - start)
+    assert (rectangle.get_y(), rectangle.get_height()) == pytest.approx((-0.45, 0.9))  # over rank 0's band
+    # every stall of the trail is drawn (BUILD may stall too, importing on a loaded machine), once in the legend
+    assert len(rectangles) == len([e for e in lines if e["event"] == "stall" and e["report"] == 1])
+    assert _legend(figure).count("stall") == 1
+    result = plot([tmp_path / "run"], tmp_path / "run.png")
+    assert _png_size(tmp_path / "run.png") == (result.width, result.height)
+
+
+def test_a_stall_never_cleared_lasts_until_the_watchdog_ends_the_process(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from trainfsm.tools.plot import collect, draw
+
+    lines = _stalled_run(tmp_path / "real")
+    # stall_action="exit": the trail ends after the watchdog's exit, written while the step hangs
+    last = max(i for i, e in enumerate(lines) if e["event"] == "stall" and e["state"] == "ACCUMULATE")
+    stall = next(e for e in lines if e["event"] == "stall" and e["state"] == "ACCUMULATE")
+    ended = {**lines[last], "event": "exit", "ts": lines[last]["ts"] + 0.2, "reason": "stalled", "code": 75}
+    for key in ("micro", "seconds", "budget", "report", "action", "doing", "collective", "hook", "stack"):
+        ended.pop(key)
+    path = write_lines(tmp_path / "run" / "logs" / "events.rank0.jsonl", [*lines[: last + 1], ended])
+
+    timeline, _ = collect([path])
+    figure = draw(timeline)
+    t0 = min(e["ts"] for e in lines)
+    rectangle = max(_stall_rectangles(figure), key=lambda r: r.get_x())
+    assert rectangle.get_x() == pytest.approx(stall["ts"] - stall["seconds"] - t0)
+    assert rectangle.get_x() + rectangle.get_width() == pytest.approx(ended["ts"] - t0)  # the attempt's end
+    handles, labels = figure.axes[0].get_legend_handles_labels()
+    marker = handles[labels.index("exit: stalled")]
+    assert [tuple(xy) for xy in marker.get_offsets()] == [pytest.approx((ended["ts"] - t0, 0.0))]
+    assert "exit: stalled" in _legend(figure)
+
+
+def test_a_run_without_stalls_draws_no_stall_span(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from trainfsm.tools.plot import collect, draw
+
+    run(tmp_path, steps=4, interval=2)  # stall_timeout="auto": minutes of budget, nothing reported
+    timeline, _ = collect([tmp_path])
+    figure = draw(timeline)
+    assert timeline.stalls == [] and _stall_rectangles(figure) == []
+    assert not [text for text in figure.axes[0].texts if text.get_text().startswith("stall")]
+    assert "stall" not in _legend(figure) and "exit: stalled" not in _legend(figure)

@@ -86,9 +86,10 @@ exit codes:
 
 PLOT_DESCRIPTION: Final = """\
 Draw the run: one band per rank over wall-clock time, coloured by state, with
-checkpoints, retries, signals, exceptions and restarts marked; below it, loss
-and learning-rate curves when the trail has them (LoggingHook's `metrics`
-events; without them the timeline is drawn alone, and the command says so).
+checkpoints, retries, signals, exceptions, stalls and restarts marked; below
+it, loss and learning-rate curves when the trail has them (LoggingHook's
+`metrics` events; without them the timeline is drawn alone, and the command
+says so).
 
 Needs matplotlib: pip install 'trainfsm[plot]'."""
 

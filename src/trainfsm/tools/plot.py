@@ -2,8 +2,11 @@
 
 Top: one band per rank over wall-clock time, coloured by the machine's state (spans between
 transitions), with markers for checkpoints saved and loaded, non-finite retries, signals received
-and agreed, exceptions, and a dashed line where each restart (a new attempt) began. Below, when
-the trail has them, loss and learning-rate curves over steps.
+and agreed, exceptions and exits by the stall watchdog, and a dashed line where each restart (a
+new attempt) began. Each stall the watchdog reported is a hatched span over its rank's band, from
+the rank's last transition (the first report's ``ts`` less its ``seconds``) to its end: the
+``stall_cleared`` (start + its ``seconds``), or for a stall never cleared the rank's last event of
+the attempt. Below, when the trail has them, loss and learning-rate curves over steps.
 
 ``LoggingHook`` writes its interval averages to the trail as ``metrics`` events (``values``:
 ``train/loss``, ``train/lr/<group>``, ...; ``loss``, ``lr_<i>`` in trails of earlier versions).
@@ -39,7 +42,9 @@ STATE_COLORS: Final[dict[str, str]] = {
     fsm.EXIT: "#252525",
 }
 
-#: Event -> (label, marker, colour, vertical position within the band: 0 bottom .. 1 top).
+#: Event (an exit: ``exit_<reason>``) -> (label, marker, colour, vertical position within the band:
+#: 0 bottom .. 1 top). The other exit reasons have their markers already: a preemption its signals,
+#: a failure its exception, a kill the blank after the rank's last event.
 MARKERS: Final[dict[str, tuple[str, str, str, float]]] = {
     "checkpoint_saved": ("checkpoint saved", "v", "#006d2c", 0.95),
     "checkpoint_loaded": ("checkpoint loaded", "^", "#006d2c", 0.05),
@@ -48,11 +53,17 @@ MARKERS: Final[dict[str, tuple[str, str, str, float]]] = {
     "signal_received": ("signal received", "*", "#de2d26", 0.75),
     "signal_agreed": ("signal agreed", "D", "#a50f15", 0.25),
     "exception": ("exception", "X", "#000000", 0.5),
+    "exit_stalled": ("exit: stalled", "s", "#ce1256", 0.5),
 }
 
-#: Figure geometry (inches; 100 dpi by default): 12 wide, the timeline at least this high (its
-#: legend lists up to 14 entries), the curves below it this high.
+#: A stall's span: a colour no state or marker has, hatched so the state under it still shows.
+STALL_COLOR: Final = "#e7298a"
+STALL_GID: Final = "stall"  # the ``gid`` of each stall's rectangle, for tests and SVG readers
+
+#: Figure geometry (inches; 100 dpi by default): 12 wide, the timeline at least this high (room
+#: for 14 legend entries) and higher when its legend has more, the curves below it this high.
 TIMELINE_MIN_INCHES: Final = 2.8
+LEGEND_ENTRY_INCHES: Final = 0.2
 CURVES_INCHES: Final = 3.0
 
 #: Spans of these frequent states shorter than this fraction of the run are absorbed by their
@@ -77,6 +88,23 @@ class PlotResult:
 
 
 @dataclass(slots=True)
+class Stall:
+    """One stall of one rank, as drawn: ``start`` is its last transition, ``end`` the first one
+    after (``cleared``) or, never cleared, its last event of the attempt."""
+
+    rank: int
+    attempt: int
+    state: str
+    step: int
+    start: float
+    end: float
+    cleared: bool = False
+
+    def label(self) -> str:
+        return f"stall rank {self.rank} ({self.state}, step {self.step})"
+
+
+@dataclass(slots=True)
 class _Timeline:
     """What the picture needs from the trail, collected in one pass.
 
@@ -88,11 +116,13 @@ class _Timeline:
     spans: dict[int, list[list[Any]]] = field(default_factory=dict)  # rank -> [[start, end, state]]
     markers: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # event -> [(ts, rank)]
     restarts: dict[int, float] = field(default_factory=dict)  # attempt -> its earliest event
+    stalls: list[Stall] = field(default_factory=list)
     metrics: dict[str, dict[int, float]] = field(default_factory=dict)  # name -> step -> value
     start: float = math.inf
     end: float = -math.inf
     _open: dict[int, tuple[float, str, int]] = field(default_factory=dict)
     _last: dict[int, float] = field(default_factory=dict)  # rank -> ts of its latest event
+    _stalled: dict[int, Stall] = field(default_factory=dict)  # rank -> its stall not cleared yet
 
     def add(self, record: Record) -> None:
         ts, rank = record.ts, record.rank
@@ -100,6 +130,7 @@ class _Timeline:
         opened = self._open.get(rank)
         if opened is not None and opened[2] != record.attempt:
             self._close(rank, opened, self._last[rank])
+            self._stalled.pop(rank, None)  # never cleared: it ends at the attempt's last event
             opened = None
         if opened is None:
             self.restarts[record.attempt] = min(ts, self.restarts.get(record.attempt, math.inf))
@@ -108,15 +139,18 @@ class _Timeline:
             self._close(rank, opened, ts)
             self._open[rank] = (ts, str(record.data["dest"]), record.attempt)
         self._last[rank] = ts
-        if record.name in MARKERS:  # a signal is marked when it arrived, not when it was reported
-            at: Any = record.data.get("received_at") if record.name == "signal_received" else None
-            self.markers.setdefault(record.name, []).append((float(at) if _is_number(at) else ts, rank))
+        self._stall(record)
+        name = f"exit_{record.data.get('reason')}" if record.name == "exit" else record.name
+        if name in MARKERS:  # a signal is marked when it arrived, not when it was reported
+            at: Any = record.data.get("received_at") if name == "signal_received" else None
+            self.markers.setdefault(name, []).append((float(at) if _is_number(at) else ts, rank))
         self._metrics(record)
 
     def finish(self) -> None:
         for rank, opened in self._open.items():
             self._close(rank, opened, self._last[rank])
         self._open.clear()
+        self._stalled.clear()
 
     def _close(self, rank: int, opened: tuple[float, str, int], end: float) -> None:
         since, state, _ = opened
@@ -125,6 +159,28 @@ class _Timeline:
             spans[-1][1] = end  # ACCUMULATE -> ACCUMULATE: one span
         else:
             spans.append([since, end, state])
+
+    def _stall(self, record: Record) -> None:
+        """A stall opens at its first report and lasts until ``stall_cleared``; until then every
+        event of its rank (a later report, lines the watchdog's exit left) moves its end on. The
+        watchdog writes from its own thread, so the trainer's lines may follow with earlier times."""
+        stall = self._stalled.get(record.rank)
+        if stall is not None:
+            stall.end = max(stall.end, record.ts)
+        if record.name not in ("stall", "stall_cleared"):
+            return
+        seconds: Any = record.data.get("seconds")
+        seconds = float(seconds) if _is_number(seconds) else None
+        if record.name == "stall" and (stall is None or record.data.get("report") == 1):
+            start = record.ts - (seconds or 0.0)
+            stall = Stall(record.rank, record.attempt, record.state, record.step, start, record.ts)
+            self.stalls.append(stall)
+            self._stalled[record.rank] = stall
+        elif record.name == "stall_cleared" and stall is not None:
+            if seconds is not None:
+                stall.end = stall.start + seconds
+            stall.cleared = True
+            del self._stalled[record.rank]
 
     def _metrics(self, record: Record) -> None:
         data = record.data
@@ -156,15 +212,33 @@ def collect(inputs: Iterable[Path]) -> tuple[_Timeline, list[Note]]:
 
 def plot(inputs: Iterable[Path], output: Path, *, title: str | None = None, dpi: int = 100) -> PlotResult:
     """Draw the run of ``inputs`` into ``output`` (PNG, or what its suffix says matplotlib can write)."""
+    _figure_class()  # a missing matplotlib is named before the trail is read
+    timeline, notes = collect(inputs)
+    figure = draw(timeline, title=title, dpi=dpi)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output)
+    width, height_px = (round(v) for v in figure.get_size_inches() * dpi)
+    return PlotResult(
+        output, width, height_px, sorted(timeline.spans), len(timeline.restarts), sorted(timeline.metrics), notes
+    )
+
+
+def _figure_class() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise PlotError(MISSING_MATPLOTLIB) from None
-    timeline, notes = collect(inputs)
+    return Figure
+
+
+def draw(timeline: _Timeline, *, title: str | None = None, dpi: int = 100) -> Any:
+    """The matplotlib ``Figure`` of ``timeline`` (``collect``'s), not saved."""
+    Figure = _figure_class()
     ranks = sorted(timeline.spans)
     metrics = sorted(timeline.metrics)
     has_curves = bool(metrics)
-    band = max(TIMELINE_MIN_INCHES, 1.2 + 0.5 * len(ranks))  # room for the legend beside it
+    entries = len(STATE_COLORS) + len(timeline.markers) + bool(timeline.stalls)
+    band = max(TIMELINE_MIN_INCHES, 1.2 + 0.5 * len(ranks), LEGEND_ENTRY_INCHES * entries)  # the legend beside it
     figure = Figure(figsize=(12, band + (CURVES_INCHES if has_curves else 0.0)), dpi=dpi, layout="constrained")
     if has_curves:
         top, bottom = figure.subplots(2, 1, height_ratios=[band, CURVES_INCHES])
@@ -176,10 +250,7 @@ def plot(inputs: Iterable[Path], output: Path, *, title: str | None = None, dpi:
         _draw_curves(bottom, timeline.metrics)
     suffix = "" if has_curves else "  (no loss or learning rate in the trail, add a LoggingHook: timeline only)"
     figure.suptitle((title or "trainfsm run") + suffix, fontsize=11)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output)
-    width, height_px = (round(v) for v in figure.get_size_inches() * dpi)
-    return PlotResult(output, width, height_px, ranks, len(timeline.restarts), metrics, notes)
+    return figure
 
 
 def summary(result: PlotResult) -> str:
@@ -218,6 +289,7 @@ def _draw_timeline(axes: Any, timeline: _Timeline, ranks: list[int], scale: floa
         xs = [(ts - t0) / scale for ts, _ in points]
         ys = [row_of.get(rank, 0) + 0.35 - 0.7 * height for _, rank in points]  # rows grow downwards
         axes.scatter(xs, ys, marker=marker, color=color, s=36, zorder=3, label=label)
+    _draw_stalls(axes, timeline, row_of, scale)
     first = min(timeline.restarts, default=0)
     for attempt, ts in sorted(timeline.restarts.items()):
         x = (ts - t0) / scale
@@ -228,6 +300,35 @@ def _draw_timeline(axes: Any, timeline: _Timeline, ranks: list[int], scale: floa
     axes.set_ylim(len(ranks) - 0.5, -0.75)  # rank 0 on top
     axes.set_xlabel(f"wall-clock time since the first event ({unit})")
     _legend(axes)
+
+
+def _draw_stalls(axes: Any, timeline: _Timeline, row_of: dict[int, int], scale: float) -> None:
+    from matplotlib.patches import Rectangle
+
+    for index, stall in enumerate(timeline.stalls):
+        x, row = (stall.start - timeline.start) / scale, row_of.get(stall.rank, 0)
+        rectangle = Rectangle(
+            (x, row - 0.45),
+            (stall.end - stall.start) / scale,
+            0.9,
+            facecolor=STALL_COLOR,
+            alpha=0.35,
+            hatch="///",
+            edgecolor=STALL_COLOR,
+            zorder=2,
+            gid=STALL_GID,
+            label="stall" if index == 0 else "_stall",  # one legend entry for them all
+        )
+        axes.add_patch(rectangle)
+        axes.annotate(
+            stall.label(),
+            (x, row + 0.45),
+            xytext=(2, 1),
+            textcoords="offset points",
+            fontsize=7,
+            color="#980043",
+            verticalalignment="bottom",
+        )
 
 
 def _bars(spans: list[list[Any]], minimum: float) -> dict[str, list[tuple[float, float]]]:
