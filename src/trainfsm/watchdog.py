@@ -20,12 +20,15 @@ that a slow but healthy rank is never reported (``AutoBudgets``):
   has been measured yet; these are where datasets download, checkpoints load, kernels compile and
   the last uploads run.
 - A step (STEP, ACCUMULATE, RETRY): ``max(2 minutes, 10 x the slowest of the last 100 steps)``,
-  steps as the watchdog saw them (to a tick). A validation or a save 5x slower than a step stays
+  steps as the watchdog saw them (a step longer than a tick on its own, shorter ones as the mean
+  of those between two looks). A validation or a save 5x slower than a step stays
   under it; one slower than that and than 2 minutes is reported, and cleared when it ends.
-- CHECKPOINT: ``max(5 minutes, 4 x the slowest earlier save, the state's bytes at 20 MB/s)``: a
-  save's time grows with its bytes and the file system's worst days.
+- CHECKPOINT: ``max(5 minutes, 4 x the slowest earlier save, the state's bytes at 20 MB/s, 10 x
+  the slowest step)``: a save's time grows with its bytes and the file system's worst days.
 
-Detection takes at most one tick past the budget. ``stall_timeout=None`` starts no thread.
+Times are the watchdog's, to a tick: it learns of a transition at its next look, so ``seconds``
+(since the last transition) may be up to a tick short, and a stall is reported at most two ticks
+past the budget. ``stall_timeout=None`` starts no thread.
 """
 
 from __future__ import annotations
@@ -168,9 +171,9 @@ class Watchdog:
             self._report(stuck, budget)
 
     def _learn(self, now: float, state: str, step: int) -> None:
-        if step != self._step and state in _STEPPING:  # a step began: the one before it ended
-            if self._step_began is not None:
-                self._steps.append(now - self._step_began)
+        if step > self._step and state in _STEPPING:  # a step began: the ones before it ended
+            if self._step_began is not None:  # several steps between two looks: their mean
+                self._steps.append((now - self._step_began) / (step - self._step))
             self._step_began = now
         if state == fsm.CHECKPOINT and self._state != fsm.CHECKPOINT:
             self._save_began = now
@@ -187,8 +190,12 @@ class Watchdog:
             if not self._steps:
                 return auto.first_step
             return max(auto.step_floor, auto.step_multiple * max(self._steps))
-        if state == fsm.CHECKPOINT:
-            budget = max(auto.checkpoint_floor, auto.checkpoint_multiple * max(self._saves, default=0.0))
+        if state == fsm.CHECKPOINT:  # at least a step's budget: a first save has nothing else to go by
+            budget = max(
+                auto.checkpoint_floor,
+                auto.checkpoint_multiple * max(self._saves, default=0.0),
+                auto.step_multiple * max(self._steps, default=0.0),
+            )
             if stuck >= budget:  # only then is the state's size worth measuring
                 if self._bytes is None:
                     self._bytes = state_bytes(self.trainer)
@@ -203,6 +210,8 @@ class Watchdog:
     def _report(self, stuck: float, budget: float) -> None:
         self._reports += 1
         doing = activity.main_thread_activity()
+        if self.action == "exit":  # the process ends: what the stuck thread recorded goes first
+            self.event_log.write_out_before_exit()
         try:
             micro = self.micro()
         except Exception:

@@ -21,6 +21,7 @@ measures it). The file rotates into compressed segments (``trainfsm.trail.files`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -380,6 +381,14 @@ class EventLog:
                 return
             except ValueError:  # closed by a rotation between reading _file and writing: the next one
                 time.sleep(0.005)
+
+    def write_out_before_exit(self) -> None:
+        """From another thread, just before it ends the process (the stall watchdog's ``exit``):
+        write out what the trainer's thread recorded, so the trail goes up to where it stuck
+        rather than losing its last steps as a SIGKILL would. The queue is the trainer's thread's
+        and unlocked: safe only because that thread is stuck and the process ends right after."""
+        with contextlib.suppress(Exception):  # a trail that cannot be written must not keep the process alive
+            self.write_out()
 
     def exception(self, exc: BaseException) -> None:
         """The ``exception`` event, with the full traceback (a failure in ``train()`` or in EXIT)."""
