@@ -218,12 +218,12 @@ def retries_used_up(step: int, retries: int, limit: int) -> RuntimeError:
 
 
 def forward_or_backward(distributed: bool) -> activity.Describe:
-    """``_forward_backward``'s frame: in the user's ``forward`` when it called a Python frame, else
-    (in C: almost always ``backward``) in backward, where DDP's and FSDP's gradient collectives wait
-    for every rank."""
+    """``_forward_backward``'s frame: in backward when the frame it called is ``Tensor.backward`` (or
+    it called none: C code, almost always backward), where DDP's and FSDP's gradient collectives
+    wait for every rank; else in the user's ``forward``."""
 
     def describe(frame: Any, inner: Any) -> tuple[str, bool]:
-        if inner is not None:
+        if inner is not None and activity.qualname(inner.f_code) != "Tensor.backward":
             return "forward", False
         if distributed:
             return "backward, whose gradient all-reduce (DDP) or reduce-scatter (FSDP) waits for every rank", True

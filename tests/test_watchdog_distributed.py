@@ -1,0 +1,156 @@
+"""The stall watchdog with two ranks under torchrun (issue 33): real gloo ranks, a rank frozen with
+SIGSTOP or a forward that sleeps; the other rank's trail names the collective it waits in, ``trace``
+names the rank that holds the job, ``stall_action="exit"`` restarts the job from its newest
+checkpoint. Worker: ``tests/faults/stall.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.launch import events
+from tests.faults import stall
+from tests.faults.elastic_restart import reap
+from trainfsm.tools import audit, trace
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="torchrun, SIGSTOP: Linux"),
+    pytest.mark.distributed,
+    pytest.mark.faults,
+]
+
+BUDGET = 4.0  # seconds: every state's, so BUILD on a busy machine stays under it
+
+
+def wait_for(what: Any, process: Any, log: Path, timeout: float = 120) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = what()
+        if found:
+            return found
+        assert process.poll() is None, log.read_text(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.05)
+
+
+def stalls(workspace: Path, rank: int, attempt: int = 0) -> list[dict[str, Any]]:
+    return [e for e in events(workspace, rank) if e["event"] == "stall" and e["attempt"] == attempt]
+
+
+def training_past(workspace: Path, rank: int, step: int) -> bool:
+    return any(e["step"] >= step and e["event"] in ("steps", "transition") for e in events(workspace, rank))
+
+
+def freeze(workspace: Path, rank: int) -> tuple[int, float]:
+    pid = int((workspace / f"pid.rank{rank}").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    return pid, time.time()
+
+
+def kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
+    """The uninterrupted run's final parameters."""
+    directory = tmp_path_factory.mktemp("straight")
+    process = stall.torchrun(directory / "ws", directory / "log", "--stall-timeout", str(BUDGET))
+    try:
+        assert process.wait(timeout=240) == 0, (directory / "log").read_text()[-3000:]
+    finally:
+        reap(process)
+    return torch.load(directory / "ws" / "final.pt")  # type: ignore[no-any-return]
+
+
+def test_a_frozen_rank_makes_the_other_record_the_collective_it_waits_in_and_trace_names_the_frozen_rank(
+    tmp_path: Path,
+) -> None:
+    workspace, log = tmp_path / "ws", tmp_path / "log"
+    process = stall.torchrun(workspace, log, "--stall-timeout", str(BUDGET))
+    pid = None
+    try:
+        wait_for(lambda: training_past(workspace, 1, 12), process, log)
+        pid, frozen_at = freeze(workspace, 1)
+        (first, *_) = wait_for(lambda: stalls(workspace, 0), process, log, timeout=60)
+        text = trace.render(trace.trace([workspace]))
+    finally:
+        reap(process, [pid] if pid else [])
+    assert first["collective"] is not None, first
+    assert first["state"] in ("STEP", "ACCUMULATE") and first["report"] == 1
+    assert first["ts"] - frozen_at <= BUDGET + 2, (first["ts"] - frozen_at, first)
+    assert "held up by: rank 1: no record for " in text, text
+    assert "frozen or killed" in text
+    assert f"waiting: rank 0: in {trace.position(first['state'], first['step'])}" in text
+    assert first["collective"] in text
+    assert stalls(workspace, 1) == []  # frozen: its watchdog is frozen with it
+
+
+def test_a_forward_sleeping_on_one_rank_names_its_line_there_and_the_collective_on_the_other(
+    tmp_path: Path, straight: list[torch.Tensor]
+) -> None:
+    workspace, log = tmp_path / "ws", tmp_path / "log"
+    sleep = ("--sleep-rank", "1", "--sleep-at", "20", "--sleep", str(BUDGET + 3))
+    process = stall.torchrun(workspace, log, "--stall-timeout", str(BUDGET), *sleep)
+    try:
+        assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        reap(process)
+    sleeper, *_ = stalls(workspace, 1)
+    line = next(
+        n
+        for n, text in enumerate(Path(stall.__file__).read_text().splitlines(), 1)
+        if "# the forward that stalls" in text
+    )
+    assert (sleeper["state"], sleeper["step"], sleeper["doing"]) == ("ACCUMULATE", 20, "forward")
+    assert sleeper["stack"][-1] == f"{Path(stall.__file__).resolve()}:{line} child.<locals>.Stalling.forward"
+    waiter, *_ = stalls(workspace, 0)
+    assert waiter["collective"] is not None and waiter["step"] in (20, 21), waiter
+    for rank in (0, 1):  # both moved on when the forward returned
+        assert [e["event"] for e in events(workspace, rank)].count("stall_cleared") == 1
+    report = audit.audit([workspace])
+    assert report.problems == [] and report.run_problems == []  # stalls that cleared: the run ended well
+    final = torch.load(workspace / "final.pt")
+    assert all(torch.equal(a, b) for a, b in zip(final, straight, strict=True))
+
+
+@pytest.mark.slow
+def test_with_exit_a_frozen_rank_restarts_the_job_from_the_newest_checkpoint_and_it_ends_bit_exact(
+    tmp_path: Path, straight: list[torch.Tensor]
+) -> None:
+    workspace, log = tmp_path / "ws", tmp_path / "log"
+    process = stall.torchrun(workspace, log, "--stall-timeout", str(BUDGET), "--stall-action", "exit", max_restarts=1)
+    pid = None
+    try:
+        wait_for(lambda: training_past(workspace, 1, 25), process, log)
+        pid, _ = freeze(workspace, 1)
+
+        def stalled_exit() -> bool:
+            return any(e["event"] == "exit" and e["reason"] == "stalled" for e in events(workspace, 0))
+
+        wait_for(stalled_exit, process, log, timeout=60)
+        kill(pid)  # what a launcher does to a worker that does not stop: torchrun would, after 30 s
+        assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        reap(process, [pid] if pid else [])
+    first = [e for e in events(workspace, 0) if e["attempt"] == 0]
+    (stall_event, *_) = [e for e in first if e["event"] == "stall"]
+    assert stall_event["collective"] is not None and stall_event["action"] == "exit"
+    assert (first[-1]["event"], first[-1]["reason"], first[-1]["code"]) == ("exit", "stalled", 75)
+    newest = max(e["saved_step"] for e in first if e["event"] == "checkpoint_saved")
+    second = [e for e in events(workspace, 0) if e["attempt"] == 1]
+    loaded = next(e for e in second if e["event"] == "checkpoint_loaded")
+    assert loaded["from_step"] == newest
+    assert (second[-1]["event"], second[-1]["reason"]) == ("exit", "completed")
+    final = torch.load(workspace / "final.pt")
+    assert all(torch.equal(a, b) for a, b in zip(final, straight, strict=True))
+    assert audit.audit([workspace]).run_problems == []
