@@ -385,3 +385,58 @@ def test_the_stall_line_is_json_with_the_schemas_fields(stuck_run: Any) -> None:
     lines = (workspace / "logs" / "events.rank0.jsonl").read_text().splitlines()
     stall = next(json.loads(line) for line in lines if '"event":"stall"' in line)
     assert set(EVENT_FIELDS["stall"]) <= set(stall)
+
+
+# ---------------------------------------------------------------- the whole life of the process
+class BlockingIn(BaseHook):
+    """Blocks in one hook method: ``on_before_train`` runs in RESTORE, ``on_after_train`` in EXIT."""
+
+    def __init__(self, method: str, seconds: float) -> None:
+        self.method, self.seconds = method, seconds
+
+    def on_before_train(self, trainer: BaseTrainer) -> None:
+        if self.method == "on_before_train":
+            time.sleep(self.seconds)
+
+    def on_after_train(self, trainer: BaseTrainer) -> None:
+        if self.method == "on_after_train":
+            time.sleep(self.seconds)
+
+
+@pytest.mark.parametrize(
+    ("method", "state", "step"), [("on_before_train", "RESTORE", 0), ("on_after_train", "EXIT", 3)]
+)
+def test_a_stall_in_restore_or_exit_is_recorded_in_that_state_with_the_hook_named(
+    tmp_path: Path, method: str, state: str, step: int
+) -> None:
+    TinyTrainer(max_steps=3, workspace=tmp_path, stall_timeout=0.5, hooks=[BlockingIn(method, 0.9)]).train()
+    events = read_events(tmp_path)
+    (stall,) = stalls(events)
+    assert (stall["state"], stall["step"], stall["hook"]) == (state, step, f"BlockingIn.{method}")
+    cleared = [e for e in events if e["event"] == "stall_cleared"]
+    assert [e["stalled_state"] for e in cleared] == [state]  # EXIT: cleared before the exit event
+    assert events[-1]["event"] == "exit"
+
+
+class SlowBuild(TinyTrainer):
+    def build_model(self) -> torch.nn.Module:
+        time.sleep(0.9)  # a model that takes long to build
+        return super().build_model()
+
+
+def test_a_stall_in_build_names_the_users_build_method(tmp_path: Path) -> None:
+    SlowBuild(max_steps=2, workspace=tmp_path, stall_timeout=0.5).train()
+    (stall,) = stalls(read_events(tmp_path))
+    assert (stall["state"], stall["step"], stall["doing"]) == ("BUILD", 0, None)  # the user's code, not ours
+    assert stall["stack"][-1].endswith(f"{line_of('# a model that takes long')} SlowBuild.build_model")
+
+
+def test_the_audit_report_lists_each_stall_once_with_its_reports(tmp_path: Path) -> None:
+    SleepyTrainer(max_steps=5, workspace=tmp_path, stall_timeout=0.3, sleep_at=2, seconds=1.3).train()
+    data = audit.audit([tmp_path]).as_dict()
+    (stall,) = data["attempts"][0]["stalls"]
+    assert (stall["rank"], stall["state"], stall["step"], stall["doing"]) == (0, "ACCUMULATE", 2, "forward")
+    assert stall["reports"] in (2, 3) and stall["cleared"] is not None and stall["cleared"] >= 1.0
+    assert stall["at"].endswith("SleepyTrainer.forward")
+    text = audit.render(audit.audit([tmp_path]))
+    assert "  stall on rank 0: ACCUMULATE at step 2, " in text and "cleared after" in text

@@ -16,9 +16,9 @@ preemption's rules) and the end of the process with ``STALL_EXIT_CODE``, so ``to
 Budgets (``stall_timeout="auto"``; a number of seconds is one budget for every state), chosen so
 that a slow but healthy rank is never reported (``AutoBudgets``):
 
-- BUILD, RESTORE, EXIT and the first step of a launch: ``AUTO.build`` etc., 10 minutes. Nothing
-  has been measured yet; these are where datasets download, checkpoints load, kernels compile and
-  the last uploads run.
+- BUILD, RESTORE, EXIT and the first step of a launch: ``AUTO.build`` etc., 10 minutes (RESTORE:
+  or the state's bytes at 20 MB/s, if longer). Nothing has been measured yet; these are where
+  datasets download, checkpoints load, kernels compile and the last uploads run.
 - A step (STEP, ACCUMULATE, RETRY): ``max(2 minutes, 10 x the slowest of the last 100 steps)``,
   steps as the watchdog saw them (a step longer than a tick on its own, shorter ones as the mean
   of those between two looks). A validation or a save 5x slower than a step stays
@@ -124,14 +124,16 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread; a stall it reported that has ended since its last look is cleared now,
-        so the trail never ends in a stall the rank got out of. Idempotent."""
+        """Stop the thread. Called by the trainer's thread, which is therefore not stuck: a stall
+        reported and not yet cleared is cleared now (one in EXIT has no transition to end it), so the
+        trail never ends in a stall the rank got out of. Idempotent."""
         if self._thread is None:
             return
         self._stop.set()
         self._thread.join()
         self._thread = None
-        if self._reports and self.progress.moves != self._moves:
+        if self._reports:
+            self._moves = -1  # moved: the caller is the thread that was stuck
             self.look(time.monotonic())
 
     def _watch(self) -> None:
@@ -196,16 +198,21 @@ class Watchdog:
                 auto.checkpoint_multiple * max(self._saves, default=0.0),
                 auto.step_multiple * max(self._steps, default=0.0),
             )
-            if stuck >= budget:  # only then is the state's size worth measuring
-                if self._bytes is None:
-                    self._bytes = state_bytes(self.trainer)
-                budget = max(budget, self._bytes / auto.checkpoint_bytes_per_second)
-            return budget
+            return self._with_bytes(budget, stuck)
         if state == fsm.BUILD:
             return auto.build
-        if state == fsm.RESTORE:
-            return auto.restore
+        if state == fsm.RESTORE:  # a checkpoint that loads slowly because it is large is not a stall
+            return self._with_bytes(auto.restore, stuck)
         return auto.exit
+
+    def _with_bytes(self, budget: float, stuck: float) -> float:
+        """``budget``, or the time the state's bytes take at the slowest rate we plan for, if longer
+        (measured once, and only once a save or load has run past ``budget``)."""
+        if stuck < budget:
+            return budget
+        if self._bytes is None:
+            self._bytes = state_bytes(self.trainer)
+        return max(budget, self._bytes / AUTO.checkpoint_bytes_per_second)
 
     def _report(self, stuck: float, budget: float) -> None:
         self._reports += 1

@@ -29,6 +29,11 @@ added)::
           "received": [{"rank": int, "signal": str, "at_step": int|null, "at_state": str|null, "ts": float}],
           "agreed": {"signal": str, "step": int} | null},
         "exceptions": [{"rank": int, "type": str, "message": str, "file": str, "line": int}],
+        "stalls": [{"rank": int, "state": str, "step": int,   # the stall watchdog's reports, one per stall:
+                    "seconds": float, "reports": int,          # the longest reported, and how many
+                    "doing": str|null, "collective": str|null, "hook": str|null,
+                    "at": str|null,                            # the innermost frame, file:line function
+                    "cleared": float|null}],                   # seconds until it moved again; null: never
         "requeue": {"ok": bool, "command": str|null, "message": str} | null,
         "exit": {"reason": str, "code": int} | null,   # null: no exit event on the first rank
         "ended": str,                         # how each rank ended: "rank 0 killed (...), rank 1 failed (...)"
@@ -130,6 +135,7 @@ class AttemptReport:
             },
             "signals": {"received": [s for r in self.ranks for s in r.received], "agreed": first.agreed},
             "exceptions": [e for r in self.ranks for e in r.exceptions],
+            "stalls": [_stall_dict(s) for r in self.ranks for s in r.stalls],
             "requeue": first.requeue,
             "exit": first.exit,
             "ended": self.ended(),
@@ -141,6 +147,11 @@ class AttemptReport:
             "ended_at": max(r.ended_at for r in self.ranks),
             "per_rank": [_rank_dict(r) for r in self.ranks],
         }
+
+
+def _stall_dict(stall: dict[str, Any]) -> dict[str, Any]:
+    keys = ("rank", "state", "step", "seconds", "reports", "doing", "collective", "hook", "at", "cleared")
+    return {key: stall.get(key) for key in keys}
 
 
 def _rank_dict(r: RankAttempt) -> dict[str, Any]:
@@ -293,6 +304,13 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
     lines.append("  signals: " + _render_signals(data["signals"]))
     for (kind, message), alike in group_by(data["exceptions"], lambda e: (e["type"], first_line(e["message"]))).items():
         lines.append(f"  exception on {ranks_text([e['rank'] for e in alike])}: {kind}: {message}")
+    for stall in data["stalls"][:SECTION_LINES]:
+        cleared = f"cleared after {stall['cleared']:.1f} s" if stall["cleared"] is not None else "never cleared"
+        doing = f": {stall['doing']}" if stall["doing"] else ""
+        lines.append(
+            f"  stall on rank {stall['rank']}: {stall['state']} at step {stall['step']}, "
+            f"{stall['seconds']:.1f} s at the last of {stall['reports']} reports, {cleared}{doing}"
+        )
     if first.requeue is not None:
         lines.append(f"  requeue: {'done' if first.requeue['ok'] else 'FAILED'}: {first.requeue['message']}")
     if len(attempt.ranks) > 1 and len({(r.exit or {}).get("reason") for r in attempt.ranks}) > 1:
