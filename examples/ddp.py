@@ -22,6 +22,17 @@ never returns None; the flag shows where the option goes.
 which saves its own position; ``--workers N`` loads with N worker processes. With the default
 ``DataLoader`` a resume skips the used indices at the sampler (``num_workers=0``) or replays the
 used batches (workers): see docs/guides/data-resume.md.
+
+``--stall-timeout`` and ``--stall-action`` set the stall watchdog (``stall_timeout``,
+``stall_action``): a rank that makes no transition for longer than its budget writes a ``stall``
+event naming where it is and what it waits in (a frozen peer leaves the others waiting in a
+collective). ``--stall-timeout`` is ``auto`` (default: budgets learned from the run), ``none`` (no
+watchdog) or seconds; ``--stall-action exit`` also ends the process with status 75 (exit reason
+``stalled``, after a requeue on SLURM), so ``torchrun --max-restarts`` or the requeued job resumes
+from the newest checkpoint: see docs/guides/audit-trail.md, "When a run hangs". Under ``auto`` a
+step's budget is at least 2 minutes, longer than the default ``--timeout``: raise ``--timeout``
+above the budget (or give a smaller ``--stall-timeout``), or a hung collective fails at
+``--timeout`` before the watchdog reports it.
 """
 
 from __future__ import annotations
@@ -112,6 +123,20 @@ def arguments(description: str | None, workspace: str) -> argparse.ArgumentParse
     return parser
 
 
+def stall_timeout(text: str) -> float | str | None:
+    """``--stall-timeout``: ``auto``, ``none`` (no watchdog) or a positive number of seconds."""
+    word = text.strip().lower()
+    if word in ("auto", "none"):
+        return None if word == "none" else "auto"
+    try:
+        seconds = float(word)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or a positive number of seconds, got {text!r}")
+    return seconds
+
+
 def main() -> None:
     parser = arguments(__doc__, "runs/ddp")
     parser.add_argument("--step-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -122,6 +147,18 @@ def main() -> None:
         "--loader", choices=("dataloader", "stateful"), default="dataloader", help="stateful: torchdata's"
     )
     parser.add_argument("--workers", type=int, default=0, help="data loader worker processes per rank")
+    parser.add_argument(
+        "--stall-timeout",
+        type=stall_timeout,
+        default="auto",
+        help="stall watchdog budget: auto (learned from the run), none (no watchdog) or seconds",
+    )
+    parser.add_argument(
+        "--stall-action",
+        choices=("record", "exit"),
+        default="record",
+        help="on a stall: record it and keep waiting, or record it and exit 75 (requeued on SLURM)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -138,6 +175,8 @@ def main() -> None:
         workspace=args.workspace,
         device=device,
         loss_none_agreement=args.loss_none_agreement,
+        stall_timeout=args.stall_timeout,
+        stall_action=args.stall_action,
     )
     try:
         trainer.train()  # on SIGTERM/SIGUSR1: checkpoint at a step every rank agrees on, exit 143/138
