@@ -375,7 +375,10 @@ def test_audit_reports_the_stall_as_a_run_problem_with_exit_status_1(stuck_run: 
         [sys.executable, "-m", "trainfsm", "audit", str(workspace)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 1, done.stdout
-    assert "[stalled] attempt 0: rank 0 stalled; rank 0 in ACCUMULATE at step 3" in done.stdout
+    assert ("[stalled] attempt 0 stalled: rank 0 in ACCUMULATE at step 3 for 0.") in done.stdout
+    assert (
+        " s: forward; the stall watchdog ended rank 0 (exit code 75); no later attempt (trainfsm trace tells more)"
+    ) in done.stdout
 
 
 def test_the_stall_line_is_json_with_the_schemas_fields(stuck_run: Any) -> None:

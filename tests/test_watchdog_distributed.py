@@ -83,6 +83,7 @@ def test_a_frozen_rank_makes_the_other_record_the_collective_it_waits_in_and_tra
         pid, frozen_at = freeze(workspace, 1)
         (first, *_) = wait_for(lambda: stalls(workspace, 0), process, log, timeout=60)
         text = trace.render(trace.trace([workspace]))
+        report = audit.audit([workspace])
     finally:
         reap(process, [pid] if pid else [])
     assert first["collective"] is not None, first
@@ -92,7 +93,13 @@ def test_a_frozen_rank_makes_the_other_record_the_collective_it_waits_in_and_tra
     assert "frozen or killed" in text
     assert f"waiting: rank 0: in {trace.position(first['state'], first['step'])}" in text
     assert first["collective"] in text
+    assert "cause: killed" not in text  # nobody was killed: rank 0 waits, rank 1 is frozen
     assert stalls(workspace, 1) == []  # frozen: its watchdog is frozen with it
+    (stalled,) = [p for p in report.run_problems if p.kind == "stalled"]
+    assert stalled.message.startswith(
+        "attempt 0 stalled: rank 1 went quiet (frozen or killed) while the others waited; "
+    )
+    assert f"rank 0 in {first['state']} at step {first['step']}" in stalled.message
 
 
 def test_a_forward_sleeping_on_one_rank_names_its_line_there_and_the_collective_on_the_other(

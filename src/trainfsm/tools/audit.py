@@ -308,29 +308,7 @@ def _run_problems(attempts: list[AttemptReport]) -> list[Problem]:
         )
     stalled = [r for r in last.ranks if r.stall_open is not None or (r.exit or {}).get("reason") == ExitReason.STALLED]
     if stalled:
-        r = stalled[0]
-        stall = r.stall_open or (r.stalls[-1] if r.stalls else None)
-        where = (
-            f"in {stall['state']} at step {stall['step']} for {stall['seconds']:.0f} s: {stall['doing'] or 'user code'}"
-            if stall is not None
-            else f"at step {r.end_step}"
-        )
-        ended = (
-            f"the stall watchdog ended it (exit code {STALL_EXIT_CODE})"
-            if (r.exit or {}).get("reason") == ExitReason.STALLED
-            else "its trail ends in the stall"
-        )
-        found.append(
-            Problem(
-                ExitReason.STALLED.value,
-                f"attempt {last.attempt}: {ranks_text([x.rank for x in stalled])} stalled; rank {r.rank} {where}; "
-                f"{ended}; no later attempt",
-                r.file,
-                stall["line"] if stall is not None else r.exit_line,
-                r.rank,
-                last.attempt,
-            )
-        )
+        found.append(_stalled_problem(last, stalled))
     requeue = last.first.requeue
     if requeue is not None and not requeue["ok"]:
         found.append(
@@ -345,6 +323,40 @@ def _run_problems(attempts: list[AttemptReport]) -> list[Problem]:
             )
         )
     return found
+
+
+def _stalled_problem(last: AttemptReport, stalled: list[RankAttempt]) -> Problem:
+    """The stall of the last attempt, naming first the rank that holds the others: one stuck
+    outside any collective, else (every stalled rank waits in one) a rank whose trail went quiet."""
+    waiting = [r for r in stalled if (r.stall_open or (r.stalls[-1] if r.stalls else {})).get("collective")]
+    stuck = [r for r in stalled if r not in waiting]
+    quiet = [r for r in last.ranks if r not in stalled and r.exit is None]
+    parts = []
+    for r in stuck + waiting:
+        stall = r.stall_open or (r.stalls[-1] if r.stalls else None)
+        if stall is None:
+            parts.append(f"rank {r.rank} at step {r.end_step}")
+            continue
+        doing = stall["doing"] or "not in the trainer's own code"
+        parts.append(f"rank {r.rank} in {stall['state']} at step {stall['step']} for {stall['seconds']:.1f} s: {doing}")
+    if quiet and not stuck:
+        parts.insert(0, f"{ranks_text([r.rank for r in quiet])} went quiet (frozen or killed) while the others waited")
+    ended = [r for r in stalled if (r.exit or {}).get("reason") == ExitReason.STALLED]
+    how = (
+        f"the stall watchdog ended {ranks_text([r.rank for r in ended])} (exit code {STALL_EXIT_CODE})"
+        if ended
+        else "the trail ends in the stall"
+    )
+    first = (stuck + waiting)[0]
+    stall = first.stall_open or (first.stalls[-1] if first.stalls else None)
+    return Problem(
+        ExitReason.STALLED.value,
+        f"attempt {last.attempt} stalled: {'; '.join(parts)}; {how}; no later attempt (trainfsm trace tells more)",
+        first.file,
+        stall["line"] if stall is not None else first.exit_line,
+        first.rank,
+        last.attempt,
+    )
 
 
 #: What every rank of an attempt must agree on: (label, value of a rank).

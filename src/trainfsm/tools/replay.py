@@ -341,7 +341,7 @@ class Replay:
             "doing": data.get("doing"),
             "collective": data.get("collective"),
             "hook": data.get("hook"),
-            "at": (data.get("stack") or [None])[-1],  # the innermost frame
+            "at": innermost_own(data.get("stack") or []),
             "reports": data.get("report"),
             "line": record.line,
         }
@@ -371,6 +371,15 @@ class Replay:
             self.problem("malformed", record, f"unknown exit reason {reason!r} (known: {', '.join(EXIT_REASONS)})")
         self.result.exit = {"reason": reason, "code": record.data.get("code")}
         self.result.exit_line = record.line
+
+
+def innermost_own(stack: list[str]) -> str | None:
+    """The innermost frame of a stall's stack that is the user's or the trainer's, not a library's
+    (site-packages, the standard library, frozen imports): where to look first."""
+    for frame in reversed(stack):
+        if "site-packages" not in frame and "/lib/python" not in frame and not frame.startswith("<"):
+            return frame
+    return stack[-1] if stack else None
 
 
 _HANDLERS: Final = {

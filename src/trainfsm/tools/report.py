@@ -307,9 +307,10 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
     for stall in data["stalls"][:SECTION_LINES]:
         cleared = f"cleared after {stall['cleared']:.1f} s" if stall["cleared"] is not None else "never cleared"
         doing = f": {stall['doing']}" if stall["doing"] else ""
+        reports = "its one report" if stall["reports"] == 1 else f"the last of {stall['reports']} reports"
         lines.append(
             f"  stall on rank {stall['rank']}: {stall['state']} at step {stall['step']}, "
-            f"{stall['seconds']:.1f} s at the last of {stall['reports']} reports, {cleared}{doing}"
+            f"{stall['seconds']:.1f} s at {reports}, {cleared}{doing}"
         )
     if first.requeue is not None:
         lines.append(f"  requeue: {'done' if first.requeue['ok'] else 'FAILED'}: {first.requeue['message']}")

@@ -120,12 +120,19 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
             + since_text(k["since_previous"])
             for k in attempt.killed_at()
         )
-        outcome = f"killed at its last record ({where}); no exit event, so its last transitions may be missing"
+        if any(r.stall_open for r in attempt.ranks):  # a hang: alive and stuck, or killed while stuck
+            outcome = (
+                f"no exit event: it hung (stall reports below), then was killed or was still hanging when the "
+                f"trail was read; last records: {where}"
+            )
+        else:
+            outcome = f"killed at its last record ({where}); no exit event, so its last transitions may be missing"
     else:
         outcome = f"{first.exit['reason']} (exit code {first.exit['code']})"
     lines = [f"attempt {attempt.attempt}: {outcome}"]
-    lines.extend(_stall_story(attempt))
-    cause = _cause(report, attempt)
+    story = _stall_story(attempt)
+    lines.extend(story)
+    cause = None if story else _cause(report, attempt)  # a stall's story names the cause itself
     if cause is not None:
         lines.append(cause)
     for rank in attempt.ranks:
@@ -214,9 +221,10 @@ def _stall_text(stall: dict[str, Any]) -> str:
     doing = stall.get("doing") or "not in the trainer's own code"
     at = f" at {stall['at']}" if stall.get("at") else ""
     how = "" if stall.get("cleared") is None else f", cleared after {stall['cleared']:.1f} s"
+    reports = "its one stall report" if stall["reports"] == 1 else f"the last of {stall['reports']} stall reports"
     return (
         f"in {position(stall['state'], stall['step'])} since {since:%Y-%m-%d %H:%M:%S} UTC "
-        f"({stall['seconds']:.1f} s at the last of {stall['reports']} stall reports{how}): {doing}{at}"
+        f"({stall['seconds']:.1f} s at {reports}{how}): {doing}{at}"
     )
 
 
