@@ -272,7 +272,9 @@ def _run_problems(attempts: list[AttemptReport]) -> list[Problem]:
         return []
     last = attempts[-1]
     found = []
-    for (state, step), killed in group_by(last.killed_at(), lambda k: (k["state"], k["step"])).items():
+    hung = {r.rank for r in last.ranks if r.stall_open is not None}  # alive and stuck, or killed stuck: "stalled"
+    gone = [k for k in last.killed_at() if k["rank"] not in hung]
+    for (state, step), killed in group_by(gone, lambda k: (k["state"], k["step"])).items():
         k = killed[0]
         since = since_text(k["since_previous"]) if len(killed) == 1 else ""
         found.append(
