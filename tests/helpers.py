@@ -222,3 +222,17 @@ def ignored_here(*also: signal.Signals) -> list[str]:
     from trainfsm.preemption.signals import REPORTED_SIGNALS
 
     return [s.name for s in REPORTED_SIGNALS if s in also or signal.getsignal(s) == signal.SIG_IGN]
+
+
+def ledger_problem(workspace: Path) -> str:
+    """The data ledger's verdict on a fault trial's trail (``trainfsm.tools.ledger``): "" when
+    every batch was drawn once across all attempts, on every rank; else what broke."""
+    from trainfsm.tools import audit
+
+    report = audit.audit([workspace])
+    breaks = [p.message for p in report.run_problems if p.kind == "ledger"]
+    if breaks:
+        return f"data ledger: {breaks[0]}"
+    if not report.ledger or not all(line.endswith(": each batch drawn once") for line in report.ledger):
+        return f"data ledger: {report.ledger}"
+    return ""

@@ -27,9 +27,10 @@ no random numbers.
 from __future__ import annotations
 
 import collections
+import hashlib
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -290,6 +291,31 @@ def close_iterator(iterator: Iterator[Any] | None, *, epoch_end: bool = False) -
         shutdown()
 
 
+def fingerprint(batch: Any) -> str:
+    """A short hash of a batch's contents (tensors' bytes, other leaves' ``repr``, in a fixed order):
+    the same batch gives the same fingerprint in any process. Used once per save and per resume."""
+    hasher = hashlib.blake2b(digest_size=8)
+
+    def feed(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu().contiguous()
+            hasher.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+            hasher.update(tensor.view(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        elif isinstance(value, Mapping):
+            for key in sorted(value, key=repr):
+                hasher.update(repr(key).encode())
+                feed(value[key])
+        elif isinstance(value, (list, tuple)):
+            hasher.update(f"{type(value).__name__}{len(value)}".encode())
+            for item in value:
+                feed(item)
+        else:
+            hasher.update(repr(value).encode())
+
+    feed(batch)
+    return hasher.hexdigest()
+
+
 #: What ``DataCursor.next`` returns once ``max_epochs`` epochs of data are used up.
 EXHAUSTED: Final = object()
 
@@ -362,6 +388,28 @@ class DataCursor:
     def close(self) -> None:
         iterator, self.iterator = self.iterator, None
         close_iterator(iterator)
+
+    def fingerprint_next(self, after: str, step: int) -> None:
+        """Have the next draw record a ``batch_fingerprint`` (``after``: ``"save"`` or ``"resume"``
+        of the checkpoint of ``step``). The data ledger compares the batch a resumed run draws first
+        with the one the saving run drew after that save: equal unless the loader resumed elsewhere.
+        Only that one draw pays: ``next`` is replaced on this instance and puts itself back."""
+
+        def once() -> Any:
+            del self.next  # the class's again
+            batch = self.next()
+            if batch is not EXHAUSTED:  # INFO: written at once, so a kill soon after does not lose it
+                self.log.info(
+                    "batch_fingerprint",
+                    after=after,
+                    from_step=step,
+                    epoch=self.epoch,
+                    batches=self.batches,
+                    fingerprint=fingerprint(batch),
+                )
+            return batch
+
+        self.next = once  # type: ignore[method-assign]
 
     def _new_iterator(self) -> Iterator[Any]:
         set_epoch(self.loader, self.epoch)

@@ -338,7 +338,8 @@ class BaseTrainer(fsm.Triggers):
             return self.finish  # a signal now is recorded in EXIT: the run is complete, no requeue
         resumed = self._data.start()
         if resumed is not None:  # how the position was found and what it cost: a replay grows with it
-            self.events.info("data_resumed", epoch=self.epoch, **resumed.as_event())
+            self.events.info("data_resumed", epoch=self.epoch, from_step=self.step, **resumed.as_event())
+            self._data.fingerprint_next("resume", self.step)  # the data ledger's check of the position
         # Checked last: a signal while the checkpoint loaded or the data was positioned counts.
         preempted = self._preempted_before_training()
         if preempted is not None:
@@ -450,7 +451,10 @@ class BaseTrainer(fsm.Triggers):
     def _checkpoint(self) -> Callable[[], bool]:
         # The checkpoint hook saved in on_enter_checkpoint; leave for good or for the next step.
         run: Run = self._run  # type: ignore[assignment]
-        return run.triggers[fsm.checkpoint_trigger(self.exit_reason)]
+        trigger = fsm.checkpoint_trigger(self.exit_reason)
+        if trigger == "resume":  # the batch after the save: a resume from it must draw the same one
+            self._data.fingerprint_next("save", self.step)
+        return run.triggers[trigger]
 
     def _enter_exit(self) -> None:
         run: Run = self._run  # type: ignore[assignment]

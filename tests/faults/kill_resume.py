@@ -27,6 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.helpers import ledger_problem
+
 STEPS = 40
 HERE = Path(__file__).resolve()
 
@@ -164,6 +169,9 @@ def trial(directory: Path, ref: Reference, kills: int, rng: random.Random, slow:
         loaded = [e for e in mine if e["event"] == "checkpoint_loaded"]
         if restores[0]["resumed"] and not loaded:
             return False, f"attempt {attempt} resumed without loading a checkpoint", killed
+    ledger = ledger_problem(workspace)
+    if ledger:
+        return False, ledger, killed
     final = torch.load(out)
     if not all(torch.equal(a, b) for a, b in zip(final, expected, strict=True)):
         return False, "final parameters differ from the uninterrupted run", killed

@@ -36,6 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.faults.kill_resume import STEPS, Reference, _count, _events, _last_step, _launch, repeat
+from tests.helpers import ledger_problem
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -73,6 +74,9 @@ def trial(
         where.append(place)
         if place == "after training" and process.returncode == 0 and out.exists():
             break
+    ledger = ledger_problem(workspace)
+    if ledger:
+        return False, ledger, sent
     final = torch.load(out)
     if not all(torch.equal(a, b) for a, b in zip(final, ref.parameters, strict=True)):
         return False, "final parameters differ from the uninterrupted run", sent

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainfsm import activity, collectives
+from trainfsm.checkpoint.io import hex_of
+from trainfsm.checkpoint.manifest import MANIFEST
 from trainfsm.checkpoint.store import TRAINFSM, TRAINLOOP, CheckpointError, CheckpointStore, foreign_in_the_way
 from trainfsm.checkpoint.trainloop import is_trainloop
 from trainfsm.checkpoint.trainloop import load as load_trainloop
@@ -180,6 +182,7 @@ def _apply(
         from_step=trainer.step,
         sharded=sharded,
         format=written_by,
+        checksum=manifest_checksum(path, manifest) if written_by == TRAINFSM else None,
         **({"saved_world_size": manifest.get("world_size")} if sharded else {}),
     )
     if trainer.rank == 0 and written_by == TRAINLOOP:
@@ -191,6 +194,15 @@ def _apply(
         )
     elif trainer.rank == 0:
         notice(trainer.logger, f"resumed from checkpoint {trainer.step} ({path})")
+
+
+def manifest_checksum(path: Path, manifest: dict[str, Any]) -> str | None:
+    """The checksum ``checkpoint_saved`` recorded for this checkpoint (its manifest's, in the
+    manifest's own algorithm): the data ledger ties a resume to the save it came from."""
+    try:
+        return hex_of(str(manifest.get("checksum", "sha256")), (path / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return None
 
 
 def _load_sharded(

@@ -43,6 +43,7 @@ class Saved(NamedTuple):
     seconds: float
     pruned: list[Checkpoint]
     direct_io: bool  # every file the store wrote went past the page cache (O_DIRECT)
+    data: dict[str, Any] | None = None  # the data positions saved with it (``data_positions``)
 
 
 #: What a background save returns: rank 0's ``Saved`` (None on the other ranks of a sharded save)
@@ -158,7 +159,8 @@ class Saver:
         checkpoint, size, checksum = store.save(step, parts, keep=keep, **sharded)
         seconds = time.perf_counter() - started
         pruned = store.prune(self.keep_previous)
-        return Saved(checkpoint.path, checkpoint.kept, size, checksum, seconds, pruned, store.wrote_directly)
+        data = data_positions(parts["training_state"].get("ranks") or [])
+        return Saved(checkpoint.path, checkpoint.kept, size, checksum, seconds, pruned, store.wrote_directly, data)
 
     def _write_sharded(
         self, job: ShardedSave, state: dict[str, Any], started: float, group: Any = None
@@ -231,6 +233,7 @@ def log_saved(trainer: BaseTrainer, saved: Saved, blocked: float | None, world: 
         asynchronous=blocked is not None,
         sharded=world is not None,
         direct_io=saved.direct_io,
+        data=saved.data,
         **({"blocked_seconds": round(blocked, 6)} if blocked is not None else {}),
         **({"world_size": world} if world is not None else {}),
     )
@@ -241,6 +244,19 @@ def log_saved(trainer: BaseTrainer, saved: Saved, blocked: float | None, world: 
             trainer.logger,
             f"preempted: checkpoint {saved.path.name} saved ({saved.path}); exiting {trainer.exit_code}",
         )
+
+
+def data_positions(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The data ledger's entry for a save (``checkpoint_saved.data``): the position each rank saved,
+    as (epoch, batches drawn in it); ``{"epoch": e, "batches": b}`` when every rank saved the same,
+    else ``{"ranks": [[e, b], ...]}`` in rank order. ``trainfsm audit`` checks that each resume
+    restores exactly this, so that every batch is trained once across attempts."""
+    found = [(int(r["data"]["epoch"]), int(r["data"]["batches"])) for r in ranks if r.get("data") is not None]
+    if not found or len(found) != len(ranks):
+        return None
+    if len(set(found)) == 1:
+        return {"epoch": found[0][0], "batches": found[0][1]}
+    return {"ranks": [list(position) for position in found]}
 
 
 def saves_sharded(trainer: BaseTrainer, current: dict[str, Any], setting: bool | str) -> bool:

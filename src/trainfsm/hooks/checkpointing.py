@@ -128,6 +128,8 @@ class CheckpointingHook(BaseHook):
             if loaded is not None:
                 self.loaded_from = loaded
                 self._step_in_store = trainer.step
+        else:  # a fresh start asked for: the data ledger does not count it as lost work
+            trainer.events.info("checkpoint_not_loaded", reason="load=None")
         refuse_foreign_ahead(trainer, store)
 
     # ------------------------------------------------------------------ CHECKPOINT

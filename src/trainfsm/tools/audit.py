@@ -31,7 +31,10 @@ means the run went on (it was resumed or restarted), by ``kind``:
   the message says why): nothing will resume the run;
 - ``stalled``: in the last attempt a rank's stall watchdog ended the process (exit reason
   ``stalled``, code 75), or a rank's trail ends in a ``stall`` that never cleared (a run that hangs,
-  or hung until something killed it). A stall that cleared is not a problem: the rank went on.
+  or hung until something killed it). A stall that cleared is not a problem: the rank went on;
+- ``ledger``: the data ledger (``trainfsm.tools.ledger``) found a batch drawn twice or never, in
+  any attempt: a resume that restored another position than its checkpoint saved, a loader that
+  resumed elsewhere, a start from scratch after a complete save.
 
 Consistency problems, by ``kind``:
 
@@ -60,6 +63,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm.machine import STALL_EXIT_CODE, ExitReason
+from trainfsm.tools import ledger
 from trainfsm.tools.replay import Problem, RankAttempt, Replay
 from trainfsm.tools.report import (
     SCHEMA,
@@ -90,6 +94,7 @@ RUN_PROBLEM_KINDS: Final = (
     "killed",
     "requeue_refused",
     ExitReason.STALLED.value,
+    ledger.KIND,
 )
 
 
@@ -134,7 +139,9 @@ def audit_trail(trail: Trail, observe: Callable[[Record], None] | None = None, j
     for attempt in attempts:
         _check_attempt(attempt, problems, trail.notes)
     problems.sort(key=_problem_order)
-    return AuditReport(files, attempts, problems, trail.notes, _run_problems(attempts))
+    breaks, ledger_notes, ledger_lines = ledger.check(attempts)
+    trail.notes.extend(ledger_notes)
+    return AuditReport(files, attempts, problems, trail.notes, breaks + _run_problems(attempts), ledger_lines)
 
 
 def _jobs(jobs: int | None, trail: Trail) -> int:

@@ -82,6 +82,13 @@ class RankAttempt:
     requeue_line: int | None = None
     exit: dict[str, Any] | None = None
     exit_line: int | None = None
+    format: int | None = None  # run_start's trail format
+    # The data ledger (``trainfsm.tools.ledger``): where this rank's data stood, counted from the trail.
+    position: list[int] | None = None  # [epoch, batches drawn in it] now; None: not known (an old trail)
+    ledger_start: dict[str, Any] | None = None  # how the attempt's data began: fresh, resumed, unchecked
+    positions: dict[int, tuple[int, int]] = field(default_factory=dict)  # step -> position entering CHECKPOINT
+    fingerprints: list[dict[str, Any]] = field(default_factory=list)  # batch_fingerprint events
+    not_loaded: bool = False  # CheckpointingHook(load=None): a fresh start asked for
     stalls: list[dict[str, Any]] = field(default_factory=list)  # each stall (its first report), cleared or not
     stall_open: dict[str, Any] | None = None  # the last stall, while no stall_cleared followed it
     end_state: str = fsm.BUILD
@@ -201,6 +208,8 @@ class Replay:
             self._steps_problems(Record(file, line, data), first, last)
         count = last - first + 1
         result.micro_batches += count * micro
+        if result.position is not None:  # each micro-batch drew one batch
+            result.position[1] += count * micro
         result.steps_done += count
         result.last_step = last
         self.state = fsm.STEP
@@ -240,17 +249,22 @@ class Replay:
         result = self.result
         if dest == fsm.ACCUMULATE:
             result.micro_batches += 1
+            if result.position is not None:  # ACCUMULATE draws its micro-batch first thing
+                result.position[1] += 1
         if source == fsm.ACCUMULATE and trigger in _STEP_DONE:
             result.steps_done += 1
             result.last_step = self.step
         if dest == fsm.CHECKPOINT:
             result.checkpoint_steps.append(self.step)
+            if result.position is not None:
+                result.positions[self.step] = (result.position[0], result.position[1])
 
     # ---------------------------------------------------------------- other events
     def _run_start(self, record: Record) -> None:
         data = record.data
         self.result.run_id = str(data.get("run_id", ""))  # also marks that run_start was seen
         self.result.world_size = data.get("world_size")
+        self.result.format = data.get("format") if isinstance(data.get("format"), int) else None
         elastic = data.get("torchelastic")
         self.result.torchelastic = elastic if isinstance(elastic, dict) else None
 
@@ -261,6 +275,11 @@ class Replay:
         from_step = data.get("from_step")
         result.start = "resume" if resumed else "launch"
         result.resumed_from_step = from_step if resumed else None
+        if not resumed:
+            result.position = [0, 0]
+            result.ledger_start = {"how": "fresh", "epoch": 0, "batches": 0}
+        else:  # data_resumed, next, says where the data stands; without it nothing was restored
+            result.ledger_start = {"how": "unchecked", "why": "the checkpoint had no data position to restore"}
         loaded = [entry["step"] for entry in result.loaded]
         if loaded and loaded[-1] != from_step:
             self.problem("gap", record, f"restore says from_step {from_step}, the checkpoint loaded was {loaded[-1]}")
@@ -276,11 +295,46 @@ class Replay:
                 "kept": data.get("kept"),
                 "asynchronous": data.get("asynchronous"),
                 "bytes": data.get("bytes"),
+                "checksum": data.get("checksum"),
+                "data": data.get("data"),
+                "ts": record.ts,
             }
         )
 
     def _checkpoint_loaded(self, record: Record) -> None:
-        self.result.loaded.append({"step": record.data.get("from_step"), "path": record.data.get("path")})
+        data = record.data
+        self.result.loaded.append(
+            {"step": data.get("from_step"), "path": data.get("path"), "checksum": data.get("checksum")}
+        )
+
+    def _checkpoint_not_loaded(self, record: Record) -> None:
+        self.result.not_loaded = True
+
+    def _data_resumed(self, record: Record) -> None:
+        data = record.data
+        position = [int(data.get("epoch", 0)), int(data.get("batches", 0))]
+        self.result.position = position
+        loaded = self.result.loaded[-1] if self.result.loaded else {}
+        start = {"epoch": position[0], "batches": position[1], "from_step": data.get("from_step", loaded.get("step"))}
+        if data.get("mode") == "none":
+            start.update(how="unchecked", why=f"the data position was not restored: {data.get('why')}")
+        else:
+            start.update(how="resumed", checksum=loaded.get("checksum"), path=loaded.get("path"))
+        self.result.ledger_start = start
+
+    def _epoch(self, record: Record) -> None:
+        self.result.position = [int(record.data.get("epoch", 0)), 1]  # the draw that began it is its first
+
+    def _data_exhausted(self, record: Record) -> None:
+        if self.result.position is not None:  # the last ACCUMULATE found no batch: nothing was drawn
+            self.result.position[1] -= 1
+
+    def _batch_fingerprint(self, record: Record) -> None:
+        data = record.data
+        self.result.fingerprints.append(
+            {key: data.get(key) for key in ("after", "from_step", "epoch", "batches", "fingerprint")}
+            | {"line": record.line}
+        )
 
     def _checkpoint_skipped(self, record: Record) -> None:
         self.result.skipped.append({"path": record.data.get("path"), "reason": record.data.get("reason")})
@@ -396,6 +450,11 @@ _HANDLERS: Final = {
     "exception": Replay._exception,
     "requeue": Replay._requeue,
     "exit": Replay._exit,
+    "checkpoint_not_loaded": Replay._checkpoint_not_loaded,
+    "data_resumed": Replay._data_resumed,
+    "epoch": Replay._epoch,
+    "data_exhausted": Replay._data_exhausted,
+    "batch_fingerprint": Replay._batch_fingerprint,
     "stall": Replay._stall,
     "stall_cleared": Replay._stall_cleared,
 }

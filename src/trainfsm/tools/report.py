@@ -50,7 +50,8 @@ added)::
      "problems": [{"kind": str, "message": str, "file": str|null, "line": int|null,
                    "rank": int|null, "attempt": int|null}],
      "run_problems": [...],                   # as "problems", kinds of audit.RUN_PROBLEM_KINDS
-     "notes": [{"message": str, "file": str|null, "line": int|null}]}
+     "notes": [{"message": str, "file": str|null, "line": int|null}],
+     "ledger": [str]}                         # the data ledger (trainfsm.tools.ledger), a line per rank group
 
 Attempt-level values are those of the attempt's lowest rank, except ``checkpoints.saved``,
 ``skipped`` and ``failed`` (rank 0 writes checkpoints), ``signals.received`` and ``exceptions``,
@@ -186,6 +187,7 @@ class AuditReport:
     problems: list[Problem]
     notes: list[Note]
     run_problems: list[Problem] = field(default_factory=list)
+    ledger: list[str] = field(default_factory=list)  # the data ledger, a line per group of ranks
 
     @property
     def consistent(self) -> bool:
@@ -205,6 +207,7 @@ class AuditReport:
             "problems": [p.as_dict() for p in self.problems],
             "run_problems": [p.as_dict() for p in self.run_problems],
             "notes": [n.as_dict() for n in self.notes],
+            "ledger": self.ledger,
         }
 
     def to_json(self) -> str:
@@ -226,6 +229,10 @@ def render(report: AuditReport) -> str:
         lines.append("")
         lines.extend(_render_attempt(attempt, previous))
         previous = attempt
+    if report.ledger:
+        lines.append("")
+        lines.append("data ledger:")
+        lines.extend(_at_most(f"  {line}" for line in report.ledger))
     if report.notes:
         lines.append("")
         lines.append("notes:")

@@ -14,10 +14,12 @@ from typing import Any, Final
 
 from trainfsm.machine import ExitReason
 
-#: 2: routine steps are written as compact ``steps`` records (1: every transition verbatim).
-#: The readers take both.
-FORMAT_VERSION: Final = 2
-READABLE_FORMATS: Final = (1, 2)
+#: 3: the data ledger (``checkpoint_saved.data``, ``checkpoint_loaded.checksum``,
+#: ``data_resumed.from_step``, ``batch_fingerprint``); 2: routine steps are written as compact
+#: ``steps`` records (1: every transition verbatim). The readers take all three; ``trainfsm audit``
+#: says that it cannot check the ledger of attempts written without it.
+FORMAT_VERSION: Final = 3
+READABLE_FORMATS: Final = (1, 2, 3)
 
 #: Event name -> the fields it adds to the common ones. Decision events are INFO for people.
 EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
@@ -29,7 +31,8 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "steps": ("first", "micro", "dt"),
     "restore": ("resumed", "from_step"),
     "epoch": ("epoch",),
-    "data_resumed": ("mode", "why", "epoch", "batches", "positioned", "seconds"),
+    "data_resumed": ("mode", "why", "epoch", "batches", "positioned", "seconds", "from_step"),
+    "batch_fingerprint": ("after", "from_step", "epoch", "batches", "fingerprint"),
     "data_exhausted": ("epochs", "dropped_micro_batches"),
     "metrics": ("values",),
     "loss_none": ("micro", "ranks"),
@@ -44,8 +47,10 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
         "asynchronous",
         "sharded",
         "direct_io",
+        "data",
     ),
-    "checkpoint_loaded": ("path", "from_step", "sharded", "format"),
+    "checkpoint_loaded": ("path", "from_step", "sharded", "format", "checksum"),
+    "checkpoint_not_loaded": ("reason",),
     "checkpoint_skipped": ("path", "reason"),
     "checkpoint_foreign": ("found",),
     "checkpoint_not_newest": ("path", "from_step", "newest", "newest_step"),
@@ -116,8 +121,14 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     "epoch": ("`epoch`", "the data iterator ran out and a new epoch started"),
     "data_resumed": (
         "`mode` (`state`, `sampler`, `skip`, `none`), `why`, `epoch`, `batches` (of the epoch already used), "
-        "`positioned` (batches skipped at the sampler or replayed), `seconds`",
+        "`positioned` (batches skipped at the sampler or replayed), `seconds`, `from_step` (the checkpoint's step)",
         "RESTORE put the data iterator back where the checkpoint was",
+    ),
+    "batch_fingerprint": (
+        "`after` (`save` or `resume`), `from_step` (the checkpoint's step), `epoch`, `batches` (the position "
+        "after drawing it), `fingerprint` (a hash of the batch's contents)",
+        "the first batch drawn after a save and after a resume (each rank): the data ledger checks "
+        "that a resumed run draws the batch the saving run drew next",
     ),
     "data_exhausted": (
         "`epochs`, `dropped_micro_batches`",
@@ -138,12 +149,20 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     ),
     "checkpoint_saved": (
         "`path`, `saved_step`, `bytes`, `seconds`, `checksum` (of the manifest), `kept`, `asynchronous` "
-        "(+ `blocked_seconds`), `sharded`, `direct_io` (its files went past the page cache)",
+        "(+ `blocked_seconds`), `sharded`, `direct_io` (its files went past the page cache), `data` (the data "
+        "positions saved: `{epoch, batches}` when every rank's is the same, else `{ranks: [[epoch, batches], "
+        "...]}`; null when unknown)",
         "a checkpoint is durable",
     ),
     "checkpoint_loaded": (
-        "`path`, `from_step`, `sharded`, `format` (`trainfsm`, or `trainloop`: a checkpoint trainloop wrote)",
+        "`path`, `from_step`, `sharded`, `format` (`trainfsm`, or `trainloop`: a checkpoint trainloop wrote), "
+        "`checksum` (its manifest's, as `checkpoint_saved` recorded it; null for trainloop's)",
         "RESTORE loaded a checkpoint",
+    ),
+    "checkpoint_not_loaded": (
+        "`reason` (`load=None`)",
+        "RESTORE did not look for a checkpoint because `CheckpointingHook(load=None)` said so: a fresh start "
+        "the data ledger does not count as lost work",
     ),
     "checkpoint_foreign": (
         "`found` (directory name -> `trainloop` or `unknown`)",

@@ -1,0 +1,114 @@
+"""A training script for the data ledger's tests (``tests/test_ledger.py``): each launch is one
+attempt, in its own process; breaks of exactly-once data are planted on purpose.
+
+    python tests/faults/ledger_breaks.py WORKSPACE --steps 12 --interval 4 [--kill-at 10]
+        [--plant other-position:4] [--loader stateful|skipping] [--load none]
+
+``--kill-at S``: the first launch SIGKILLs itself in step S's forward (a node lost).
+``--plant other-position:K``: the resume restores the data position of checkpoint K instead of
+the one it loads (a user's ``load_state_dict`` that mixes up two checkpoints).
+``--loader skipping``: a loader with its own ``state_dict`` whose ``load_state_dict`` lands one
+batch past the saved position, while saying it resumed there (``stateful``: the same, correct).
+``--load none``: ``CheckpointingHook(load=None)``, a fresh start on purpose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from trainfsm import BaseTrainer, CheckpointingHook
+from trainfsm.checkpoint import CheckpointStore
+
+BATCHES = 10  # per epoch
+
+
+def batch(index: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(index)
+    x = torch.randn(4, 3, generator=generator)
+    return {"x": x, "y": x.sum(1, keepdim=True)}
+
+
+class StatefulLoader:
+    """Batches 0..BATCHES-1 per epoch, with its own position (``state_dict``): trainfsm resumes
+    it by ``load_state_dict`` (``data_resume="state"``). ``skip``: one batch too far on load."""
+
+    def __init__(self, skip: bool) -> None:
+        self.skip = skip
+        self.position = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while self.position < BATCHES:
+            self.position += 1
+            yield batch(self.position - 1)
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"] + (1 if self.skip else 0)
+
+
+class Trainer(BaseTrainer):
+    def __init__(self, args: argparse.Namespace, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.args = args
+
+    def build_data_loader(self) -> Any:
+        if self.args.loader == "list":
+            return [batch(i) for i in range(BATCHES)]
+        return StatefulLoader(skip=self.args.loader == "skipping")
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(3, 1)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=0.05)  # type: ignore[union-attr]
+
+    def build_hooks(self) -> list[Any]:
+        load = None if self.args.load == "none" else "latest"
+        return [CheckpointingHook(interval=self.args.interval, keep_previous=10, load=load)]
+
+    def forward(self, input: Any) -> Any:
+        if self.step == self.args.kill_at and not (self.workspace / "killed").exists():  # type: ignore[operator]
+            (self.workspace / "killed").touch()  # type: ignore[operator]
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = nn.functional.mse_loss(self.model(input["x"]), input["y"])  # type: ignore[misc]
+        return loss, {}
+
+    def load_state_dict(self, state: dict[str, Any], options: Any = None, data_resume: str = "auto") -> None:
+        if self.args.plant and self.args.plant.startswith("other-position:"):
+            other = self.workspace / "checkpoints" / self.args.plant.split(":")[1]  # type: ignore[operator]
+            parts = CheckpointStore.load(other)
+            state["rank_state"]["data"] = parts["training_state"]["ranks"][0]["data"]
+        super().load_state_dict(state, options, data_resume)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("workspace", type=Path)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--interval", type=int, default=4)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--plant", default="")
+    parser.add_argument("--loader", choices=("list", "stateful", "skipping"), default="list")
+    parser.add_argument("--load", choices=("latest", "none"), default="latest")
+    args = parser.parse_args()
+    Trainer(args, max_steps=args.steps, workspace=args.workspace, device="cpu").train()
+
+
+if __name__ == "__main__":
+    main()
