@@ -130,7 +130,7 @@ def test_json_schema_is_the_documented_one(tmp_path: Path, capsys: pytest.Captur
     _, report = audit_json(capsys, tmp_path)
     assert report["schema"] == SCHEMA == "trainfsm.audit/1"
     assert set(report) == {
-        "schema", "consistent", "ended_well", "files", "attempts", "problems", "run_problems", "notes",
+        "schema", "consistent", "ended_well", "files", "attempts", "problems", "run_problems", "notes", "ledger",
     }  # fmt: skip
     (attempt,) = report["attempts"]
     assert set(attempt) == {
@@ -140,7 +140,9 @@ def test_json_schema_is_the_documented_one(tmp_path: Path, capsys: pytest.Captur
         "started_at", "ended_at", "per_rank",
     }  # fmt: skip
     assert set(attempt["checkpoints"]) == {"saved", "loaded", "skipped", "failed"}
-    assert set(attempt["checkpoints"]["saved"][0]) == {"step", "path", "kept", "asynchronous", "bytes"}
+    assert set(attempt["checkpoints"]["saved"][0]) == {
+        "step", "path", "kept", "asynchronous", "bytes", "checksum", "data", "ts",
+    }  # fmt: skip
     assert set(attempt["per_rank"][0]) == {
         "rank", "file", "run_id", "world_size", "events", "first_step", "last_step", "steps_done",
         "micro_batches", "retry_steps", "checkpoint_steps", "loaded_step", "agreed_step", "exit", "end",
@@ -278,7 +280,9 @@ def test_a_refused_requeue_not_followed_by_an_attempt_is_a_run_problem(
 def base(tmp_path: Path) -> list[dict[str, Any]]:
     """The events of a real 6-step run that checkpoints every 2 steps, every transition verbatim."""
     run(tmp_path / "real", steps=6, interval=2, trail_form="full")
-    return read_lines(trail(tmp_path / "real"))
+    # Without the data ledger's batch fingerprints (written within the step after each save): these
+    # tests edit transitions and count lines.
+    return [e for e in read_lines(trail(tmp_path / "real")) if e["event"] != "batch_fingerprint"]
 
 
 @pytest.fixture
@@ -287,7 +291,8 @@ def compact(tmp_path: Path) -> list[dict[str, Any]]:
     routine steps compact."""
     run(tmp_path / "real", steps=8, interval=4, gradient_accumulation_steps=2, batches=make_batches(16))
     lines = read_lines(trail(tmp_path / "real"))
-    assert [(e["first"], e["step"]) for e in lines if e["event"] == "steps"] == [(1, 3), (5, 7)]
+    # Step 5, the first after the save, is verbatim: its batch fingerprint came in between.
+    assert [(e["first"], e["step"]) for e in lines if e["event"] == "steps"] == [(1, 3), (6, 7)]
     return lines
 
 
@@ -313,15 +318,15 @@ def test_compact_routine_steps_replay_like_their_transitions(
 def test_compact_steps_taken_from_another_state_are_illegal(
     tmp_path: Path, compact: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    i = index_of(compact, event="steps", first=5)
-    assert compact[i - 1] == {**compact[i - 1], "trigger": "resume", "dest": "STEP"}
-    del compact[i - 1]  # CHECKPOINT -> STEP is gone: the steps begin while the machine is in CHECKPOINT
+    i = index_of(compact, event="steps", first=6)
+    assert compact[i - 1] == {**compact[i - 1], "trigger": "stepped", "dest": "STEP"}
+    del compact[i - 1]  # step 5's ACCUMULATE -> STEP is gone: the steps begin while the machine is in ACCUMULATE
     path = write_lines(tmp_path / "events.rank0.jsonl", compact)
     code, report = audit_json(capsys, path)
     # The step did not advance either (that happens on entering STEP): a gap at the same line.
     assert code == 3 and problems(report) == [("illegal_transition", path.name, i), ("gap", path.name, i)]
     assert (
-        "micro: STEP -> ACCUMULATE (routine steps 5-7) taken while the machine was in CHECKPOINT"
+        "micro: STEP -> ACCUMULATE (routine steps 6-7) taken while the machine was in ACCUMULATE"
         in (report["problems"][0]["message"])
     )
 
@@ -340,22 +345,22 @@ def test_compact_steps_that_skip_a_step_are_a_gap(
 def test_a_missing_compact_record_is_a_gap(
     tmp_path: Path, compact: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    i = index_of(compact, event="steps", first=5)
-    del compact[i]  # steps 5-7: the next transition is written at step 8
+    i = index_of(compact, event="steps", first=6)
+    del compact[i]  # steps 6-7: the next transition is written at step 8
     path = write_lines(tmp_path / "events.rank0.jsonl", compact)
     code, report = audit_json(capsys, path)
     assert code == 3 and problems(report) == [("gap", path.name, i + 1)]
-    assert report["problems"][0]["message"] == "step jumps from 5 to 8"
+    assert report["problems"][0]["message"] == "step jumps from 6 to 8"
 
 
 def test_a_compact_record_whose_durations_do_not_add_up_is_unreadable(
     tmp_path: Path, compact: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    i = index_of(compact, event="steps", first=5)
+    i = index_of(compact, event="steps", first=6)
     compact[i]["dt"].pop()
     path = write_lines(tmp_path / "events.rank0.jsonl", compact)
     code, _, err = cli(capsys, "audit", path)
-    assert code == 2 and f"{path}:{i + 1}: a steps record of steps 5-7 needs one integer duration per step" in err
+    assert code == 2 and f"{path}:{i + 1}: a steps record of steps 6-7 needs one integer duration per step" in err
 
 
 def test_a_transition_that_is_not_a_row_is_illegal(
@@ -580,7 +585,7 @@ def test_an_unknown_format_version_is_unreadable(
     base[0]["format"] = 99
     path = write_lines(tmp_path / "events.rank0.jsonl", base)
     code, _, err = cli(capsys, "audit", path)
-    assert code == 2 and f"{path}:1: events of format 99; this trainfsm reads formats 1, 2 (it writes 2;" in err
+    assert code == 2 and f"{path}:1: events of format 99; this trainfsm reads formats 1, 2, 3 (it writes 3;" in err
 
 
 def test_a_cut_off_last_line_is_noted_and_tolerated(

@@ -193,7 +193,7 @@ def _check_resume(
         )
         return saved_by, saved
     first = next((f for f in r.fingerprints if f["after"] == "resume"), None)
-    before = after_save.get((r.rank, saved_by, int(step)))
+    before = after_save.get((r.rank, saved_by, int(step))) if step is not None else None
     if first is not None and before is not None and first["fingerprint"] != before["fingerprint"]:
         problem(
             r,

@@ -21,7 +21,9 @@ added)::
         "scaler_skips": [int],                # steps whose optimizer step the fp16 scaler skipped
         "checkpoint_steps": [int],            # steps after which the machine entered CHECKPOINT
         "checkpoints": {
-          "saved":   [{"step": int, "path": str, "kept": bool, "asynchronous": bool, "bytes": int}],
+          "saved":   [{"step": int, "path": str, "kept": bool, "asynchronous": bool, "bytes": int,
+                       "checksum": str, "data": {"epoch": int, "batches": int} | {"ranks": [[int, int]]} | null,
+                       "ts": float}],
           "loaded":  [{"step": int, "path": str}],
           "skipped": [{"path": str, "reason": str}],
           "failed":  [{"type": str, "message": str}]},
