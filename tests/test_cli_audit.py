@@ -136,7 +136,8 @@ def test_json_schema_is_the_documented_one(tmp_path: Path, capsys: pytest.Captur
     assert set(attempt) == {
         "attempt", "ranks", "start", "resumed_from_step", "first_step", "last_step", "steps_done",
         "micro_batches", "loss_none", "retries", "scaler_skips", "checkpoint_steps", "checkpoints",
-        "signals", "exceptions", "stalls", "requeue", "exit", "ended", "torchelastic", "killed", "killed_at", "end",
+        "signals", "preemption", "exceptions", "stalls", "requeue", "exit", "ended", "torchelastic", "killed",
+        "killed_at", "end",
         "started_at", "ended_at", "per_rank",
     }  # fmt: skip
     assert set(attempt["checkpoints"]) == {"saved", "loaded", "skipped", "failed"}

@@ -48,6 +48,10 @@ Consistency problems, by ``kind``:
 - ``malformed``: events out of order (after ``exit``, an attempt number going back, an unknown exit
   reason).
 
+Each preempted attempt is timed (``trainfsm.tools.preemption_timing``): signal, step finished,
+ranks agreed, checkpoint durable, exit, and under SLURM the margin left before the job's end; a
+thin margin is a note (advice on the lead time), not a run problem.
+
 ``--json`` prints the report as one object, schema ``trainfsm.audit/1``: documented in
 ``trainfsm.tools.report``, which also renders it as text. One rank's attempt is replayed by
 ``trainfsm.tools.replay``; this module reads the trail (rank files side by side in worker processes
@@ -63,7 +67,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm.machine import STALL_EXIT_CODE, ExitReason
-from trainfsm.tools import ledger
+from trainfsm.tools import ledger, preemption_timing
 from trainfsm.tools.replay import Problem, RankAttempt, Replay
 from trainfsm.tools.report import (
     SCHEMA,
@@ -141,6 +145,7 @@ def audit_trail(trail: Trail, observe: Callable[[Record], None] | None = None, j
     problems.sort(key=_problem_order)
     breaks, ledger_notes, ledger_lines = ledger.check(attempts)
     trail.notes.extend(ledger_notes)
+    trail.notes.extend(preemption_timing.notes(attempts))  # thin margins: advice, not run problems
     return AuditReport(files, attempts, problems, trail.notes, breaks + _run_problems(attempts), ledger_lines)
 
 

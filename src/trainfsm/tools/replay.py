@@ -91,6 +91,9 @@ class RankAttempt:
     not_loaded: bool = False  # CheckpointingHook(load=None): a fresh start asked for
     stalls: list[dict[str, Any]] = field(default_factory=list)  # each stall (its first report), cleared or not
     stall_open: dict[str, Any] | None = None  # the last stall, while no stall_cleared followed it
+    # A preemption's times (``trainfsm.tools.preemption_timing``): run_start's job end, the step's
+    # end and the agreement (signal_agreed), the deadline's figures, job_end, the exit's ts.
+    timing: dict[str, Any] = field(default_factory=dict)
     end_state: str = fsm.BUILD
     end_step: int = 0
     end_line: int = 0
@@ -267,6 +270,9 @@ class Replay:
         self.result.format = data.get("format") if isinstance(data.get("format"), int) else None
         elastic = data.get("torchelastic")
         self.result.torchelastic = elastic if isinstance(elastic, dict) else None
+        slurm = data.get("slurm")
+        if isinstance(slurm, dict) and slurm.get("end_time") is not None:
+            self.result.timing["job_end_at_start"] = slurm["end_time"]
 
     def _restore(self, record: Record) -> None:
         data = record.data
@@ -366,6 +372,17 @@ class Replay:
 
     def _signal_agreed(self, record: Record) -> None:
         self.result.agreed = {"signal": record.data.get("signal"), "step": record.data.get("agreed_step")}
+        self.result.timing.update(
+            agreed_at=record.ts,
+            step_ended_at=record.data.get("step_ended_at"),
+            cause=record.data.get("reason", "signal"),
+        )
+
+    def _deadline(self, record: Record) -> None:
+        self.result.timing["deadline"] = dict(record.data)
+
+    def _job_end(self, record: Record) -> None:
+        self.result.timing["job_end"] = {key: record.data.get(key) for key in ("end_time", "read_at", "after")}
 
     def _exception(self, record: Record) -> None:
         data = record.data
@@ -425,6 +442,7 @@ class Replay:
             self.problem("malformed", record, f"unknown exit reason {reason!r} (known: {', '.join(EXIT_REASONS)})")
         self.result.exit = {"reason": reason, "code": record.data.get("code")}
         self.result.exit_line = record.line
+        self.result.timing["exit_at"] = record.ts
 
 
 def innermost_own(stack: list[str]) -> str | None:
@@ -447,6 +465,8 @@ _HANDLERS: Final = {
     "loss_none": Replay._loss_none,
     "signal_received": Replay._signal_received,
     "signal_agreed": Replay._signal_agreed,
+    "deadline": Replay._deadline,
+    "job_end": Replay._job_end,
     "exception": Replay._exception,
     "requeue": Replay._requeue,
     "exit": Replay._exit,

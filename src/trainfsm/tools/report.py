@@ -30,6 +30,18 @@ added)::
         "signals": {
           "received": [{"rank": int, "signal": str, "at_step": int|null, "at_state": str|null, "ts": float}],
           "agreed": {"signal": str, "step": int} | null},
+        "preemption": {                       # null: not preempted (trainfsm.tools.preemption_timing)
+          "cause": "signal" | "deadline",     # a signal, or the trainer's own deadline (the job's end)
+          "signal": str | null, "at": float | null,   # epoch seconds of the signal (deadline: its decision)
+          "at_step": int | null, "agreed_step": int | null,
+          "step_finished": float | null, "agreed": float | null,   # seconds after "at"
+          "durable": float | null, "exit": float | null,
+          "job_end": float | null,            # SLURM's end of the job, epoch seconds
+          "job_end_read": "signal" | "start" | null,   # read after the signal, or at run_start
+          "warning": float | null,            # job_end - at
+          "margin": float | null,             # job_end - the exit event
+          "save_after_end": bool,
+          "deadline": {...the deadline event's fields} | null},
         "exceptions": [{"rank": int, "type": str, "message": str, "file": str, "line": int}],
         "stalls": [{"rank": int, "state": str, "step": int,   # the stall watchdog's reports, one per stall:
                     "seconds": float, "reports": int,          # the longest reported, and how many
@@ -71,6 +83,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from trainfsm.machine import ExitReason
+from trainfsm.tools import preemption_timing
 from trainfsm.tools.replay import Problem, RankAttempt
 from trainfsm.trail.reader import Note
 
@@ -137,6 +150,7 @@ class AttemptReport:
                 "failed": [s for r in self.ranks for s in r.failed],
             },
             "signals": {"received": [s for r in self.ranks for s in r.received], "agreed": first.agreed},
+            "preemption": preemption_timing.entry(self.ranks),
             "exceptions": [e for r in self.ranks for e in r.exceptions],
             "stalls": [_stall_dict(s) for r in self.ranks for s in r.stalls],
             "requeue": first.requeue,
@@ -311,6 +325,8 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
     )
     lines.append("  checkpoints: " + _render_checkpoints(data["checkpoints"]))
     lines.append("  signals: " + _render_signals(data["signals"]))
+    if data["preemption"] is not None:
+        lines.append(preemption_timing.text(data["preemption"]))
     for (kind, message), alike in group_by(data["exceptions"], lambda e: (e["type"], first_line(e["message"]))).items():
         lines.append(f"  exception on {ranks_text([e['rank'] for e in alike])}: {kind}: {message}")
     for stall in data["stalls"][:SECTION_LINES]:
