@@ -150,6 +150,18 @@ def stall_timeout(value: Any) -> float | str | None:
     return float(value)
 
 
+def job_end_margin(value: Any) -> float | str | None:
+    """``"auto"``, seconds >= 0, or None (the job's end is not watched)."""
+    allowed = "'auto', a number of seconds >= 0 or None (do not watch the job's end)"
+    if value is None or value == "auto":
+        return None if value is None else "auto"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"job_end_margin must be {allowed}; got {value!r} ({type(value).__name__}).")
+    if not 0 <= value < float("inf"):  # also refuses NaN
+        raise ValueError(f"job_end_margin must be {allowed}; got {value!r}.")
+    return float(value)
+
+
 def stall_action(value: Any) -> str:
     if not isinstance(value, str) or value not in STALL_ACTIONS:
         raise ValueError(

@@ -34,7 +34,7 @@ import platform
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -279,7 +279,10 @@ def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, 
         form=trainer.trail_form,
     )
     trainer.events = events.log
-    trainer.slurm = slurm.detect()
+    job = slurm.detect()
+    if job is not None and rank == 0:  # the job's end: one scontrol call per job, not per rank
+        job = replace(job, end_time=slurm.end_time(job.job_id))
+    trainer.slurm = job
     preemption.open_trail(events.log, rank, world, trainer.slurm)
     events.log.info(
         "run_start",

@@ -27,6 +27,7 @@ from trainfsm.collectives import LossNoneAgreement, LossNoneWarning, loss_none_r
 from trainfsm.data_state import EXHAUSTED, DataCursor
 from trainfsm.hooks.base import BaseHook
 from trainfsm.machine import ExitReason
+from trainfsm.preemption.deadline import Deadline
 from trainfsm.preemption.policy import ExitPolicy, Preemption, exit_policy
 from trainfsm.run import Hooks, Run, open_trail
 from trainfsm.step import Stepper, retries_used_up
@@ -120,6 +121,11 @@ class BaseTrainer(fsm.Triggers):
     - ``stall_action``: ``"record"`` (default: record the stall and keep waiting) or ``"exit"``
       (record it, requeue under SLURM, and end the process with status 75 and exit reason
       ``stalled``, so torchrun's restarts or the requeued job resume from the newest checkpoint).
+    - ``job_end_margin``: under SLURM with a time limit, leave by the preemption's path (agree,
+      save, requeue, exit ``128 + signal``; the trail's ``deadline``) once the time left no longer
+      covers the next step, a save, the exit and this margin: ``"auto"`` (default:
+      ``trainfsm.preemption.deadline``), seconds, or None (SLURM's own limit ends the job).
+      Outside SLURM it changes nothing.
     """
 
     def __init__(
@@ -139,6 +145,7 @@ class BaseTrainer(fsm.Triggers):
         trail_form: str = "compact",
         stall_timeout: float | str | None = "auto",
         stall_action: str = "record",
+        job_end_margin: float | str | None = "auto",
     ) -> None:
         self.max_steps: int = check.positive_int("max_steps", max_steps)  # type: ignore[assignment]
         self.grad_clip = check.grad_clip(grad_clip)
@@ -160,6 +167,7 @@ class BaseTrainer(fsm.Triggers):
         self.trail_form = check.trail_form(trail_form)
         self.stall_timeout = check.stall_timeout(stall_timeout)
         self.stall_action = check.stall_action(stall_action)
+        self.job_end_margin = check.job_end_margin(job_end_margin)
         #: Micro-batches this rank skipped for loss=None in this launch (with loss_none_agreement,
         #: also those another rank returned None for): checkpoints compare the ranks' counts.
         self.loss_none_skips = 0
@@ -286,8 +294,11 @@ class BaseTrainer(fsm.Triggers):
             raise run.exit_errors[0]
 
     def _watchdog(self, progress: Progress, run: Run) -> Watchdog | None:
-        """The stall watchdog of this ``train()``, started; None with ``stall_timeout=None``."""
-        if self.stall_timeout is None:
+        """The watchdog thread of this ``train()``, started: stalls, and the job's end (rank 0 under
+        SLURM with a time limit); None when neither is watched."""
+        end_time = self.slurm.end_time if self.slurm is not None else None
+        deadline = Deadline.for_job(end_time, self.job_end_margin, self.world_size)
+        if self.stall_timeout is None and deadline is None:
             return None
         event_log = run.event_log
 
@@ -302,6 +313,8 @@ class BaseTrainer(fsm.Triggers):
             event_log=event_log,
             micro=lambda: run.micro,
             requeue=lambda: run.preemption.requeue_after_stall(record),
+            deadline=deadline,
+            on_deadline=run.preemption.deadline_reached,
         )
         watchdog.start()
         return watchdog

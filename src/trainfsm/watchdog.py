@@ -28,7 +28,12 @@ that a slow but healthy rank is never reported (``AutoBudgets``):
 
 Times are the watchdog's, to a tick: it learns of a transition at its next look, so ``seconds``
 (since the last transition) may be up to a tick short, and a stall is reported at most two ticks
-past the budget. ``stall_timeout=None`` starts no thread.
+past the budget. ``stall_timeout=None`` reports no stall.
+
+The same thread watches the job's end (``trainfsm.preemption.deadline``): under SLURM with a time
+limit, rank 0's thread compares the time left with the steps and saves it measured, at each look,
+and raises the preemption's pending signal when the way out no longer fits. The thread runs when
+either is wanted; with ``stall_timeout=None`` and no deadline to watch, ``train()`` starts none.
 """
 
 from __future__ import annotations
@@ -49,9 +54,11 @@ import torch
 from trainfsm import activity
 from trainfsm import machine as fsm
 from trainfsm.machine import STALL_EXIT_CODE, ExitReason
+from trainfsm.preemption.deadline import UNMEASURED_SAVE_BYTES_PER_SECOND
 
 if TYPE_CHECKING:
     from trainfsm.machine import Progress
+    from trainfsm.preemption.deadline import Deadline
     from trainfsm.trail.writer import EventLog
 
 #: How often the thread looks at the progress mark; a stall is reported at most a tick late.
@@ -77,6 +84,8 @@ class AutoBudgets:
 AUTO = AutoBudgets()
 
 _STEPPING: Final = frozenset({fsm.STEP, fsm.ACCUMULATE, fsm.RETRY})
+#: Where the job's end is watched: training, an interval's save included.
+_WAY_OUT: Final = _STEPPING | {fsm.CHECKPOINT}
 
 
 class Watchdog:
@@ -85,7 +94,7 @@ class Watchdog:
     def __init__(
         self,
         *,
-        timeout: float | str,
+        timeout: float | str | None,
         action: str,
         progress: Progress,
         trainer: Any,
@@ -93,8 +102,11 @@ class Watchdog:
         micro: Callable[[], int],
         requeue: Callable[[], None],
         exit: Callable[[int], None] = os._exit,
+        deadline: Deadline | None = None,
+        on_deadline: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
-        self.fixed = None if timeout == "auto" else float(timeout)
+        self.stalls = timeout is not None  # None: only the job's end is watched
+        self.fixed = None if timeout in ("auto", None) else float(timeout)
         self.action = action
         self.progress = progress
         self.trainer = trainer
@@ -115,6 +127,9 @@ class Watchdog:
         self._saves: list[float] = []
         self._save_began: float | None = None
         self._bytes: int | None = None  # the state's size, measured once, when a save runs long
+        # The job's end (rank 0 under SLURM with a time limit): checked at each look until raised.
+        self.deadline = deadline
+        self.on_deadline = on_deadline
 
     # ---------------------------------------------------------------- lifetime
     def start(self) -> None:
@@ -166,11 +181,30 @@ class Watchdog:
                 )
             self._learn(now, state, step)
             self._moves, self._since, self._state, self._step, self._reports = moves, now, state, step, 0
+        elif self.stalls:
+            stuck = now - self._since
+            budget = self.budget(self._state, stuck)
+            if stuck >= budget * (1 << self._reports):
+                self._report(stuck, budget)
+        if self.deadline is not None:
+            self._look_at_deadline()
+
+    def _look_at_deadline(self) -> None:
+        """Raise the preemption's pending signal once the way out no longer fits before the job's end."""
+        if not self._steps or self._state not in _WAY_OUT:  # nothing measured yet, or not training
             return
-        stuck = now - self._since
-        budget = self.budget(self._state, stuck)
-        if stuck >= budget * (1 << self._reports):
-            self._report(stuck, budget)
+        measured = bool(self._saves)
+        if measured:
+            save = max(self._saves)
+        else:
+            if self._bytes is None:
+                self._bytes = state_bytes(self.trainer)
+            save = self._bytes / UNMEASURED_SAVE_BYTES_PER_SECOND
+        figures = self.deadline.due(time.time(), max(self._steps), save, measured)  # type: ignore[union-attr]
+        if figures is not None:
+            self.deadline = None  # once: raised now, or a signal already pending takes the same way out
+            if self.on_deadline is not None:
+                self.on_deadline(figures)
 
     def _learn(self, now: float, state: str, step: int) -> None:
         if step > self._step and state in _STEPPING:  # a step began: the ones before it ended

@@ -10,6 +10,12 @@ point of the machine, and acts on the answer with a transition:
 - ``at_step_end(step)`` after every optimizer step: checkpoint (if a hook wants), then ``finish``?
 - ``at_exit(preempted)`` entering EXIT: report what arrived, requeue the job (rank 0, SLURM).
 
+The job's end is a fourth way in: under SLURM with a time limit the watchdog's thread calls
+``deadline_reached`` when the time left no longer covers the way out
+(``trainfsm.preemption.deadline``), and the run leaves as if the policy's first signal had come.
+Rank 0 also reads the job's end from SLURM again at a preemption (``job_end``), for the audit's
+margin: a preemption with a grace time moves it.
+
 A scheduler's signal (SLURM's ``--signal=B:USR1@120``, a ``SIGTERM`` before a kill) can arrive at
 any instant: inside a kernel launch, a checkpoint write, a collective. The handler therefore only
 records which signal came, when, and in which state; it does no I/O, takes no lock and starts no
@@ -31,6 +37,7 @@ passed on when it does not name them: ``trainfsm.preemption.signals``.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,8 +47,10 @@ from trainfsm import collectives
 from trainfsm.collectives import SignalAgreement
 from trainfsm.preemption import slurm
 from trainfsm.preemption.signals import (
+    DEADLINE,
     HELD_SIGNALS,
     REPORTED_SIGNALS,
+    SIGNAL_BITS,
     Received,
     SignalWatcher,
     disposition,
@@ -153,6 +162,11 @@ class Preemption:
         # rank alone (None): the step's signal all-reduce, or the last micro-batch agreement's.
         # Chosen in ``decide``; read once per step.
         self._agreed: Callable[[], int] | None = None
+        # The job's end: the watchdog's figures when it raised the deadline (written by the trainer's
+        # thread at the step's end), and rank 0's read of the end at a preemption.
+        self._deadline: dict[str, Any] | None = None
+        self._end_read: slurm.EndTimeRead | None = None
+        self._cause = "signal"
 
     def open_trail(self, log: Any, rank: int, world: int, job: slurm.SlurmJob | None) -> None:
         self.log, self.rank, self.world, self.job = log, rank, world, job
@@ -213,12 +227,36 @@ class Preemption:
     def at_step_end(self, step: int) -> int | None:
         """After the optimizer step: the exit code if a signal is pending on any rank, else None."""
         agreed = self._agreed
-        pending = agreed() if agreed is not None else self.watcher.pending
+        local = self.watcher.pending
+        ended = time.time() if local else None  # the clock only once a signal is pending here
+        pending = agreed() if agreed is not None else local
         if not pending:
             return None
         code = self._preempted_by(pending)
-        self.log.info("signal_agreed", signal=signal.Signals(pending).name, agreed_step=step)
+        figures = self._deadline
+        if pending & DEADLINE and figures is not None:  # this rank saw the job's end coming
+            self.log.warning("deadline", **figures)
+        self.log.info(
+            "signal_agreed",
+            signal=signal.Signals(pending & SIGNAL_BITS).name,
+            agreed_step=step,
+            reason=self._cause,
+            step_ended_at=ended,
+        )
         return code
+
+    def deadline_reached(self, figures: dict[str, Any]) -> bool:
+        """From the watchdog's thread: the job's end is near. Pending from now on as the exit
+        policy's first signal (with the ``DEADLINE`` bit); ``figures`` go to the trail's
+        ``deadline`` event at the step's end. False without a policy, or with a signal pending."""
+        policy = self.policy
+        if policy is None or not policy.signals:
+            return False
+        self._deadline = figures  # before the bit: the trainer's thread reads them once it sees it
+        if not self.watcher.raise_deadline(policy.signals[0]):
+            self._deadline = None
+            return False
+        return True
 
     def end_step_agreement(self) -> None:
         """The step ends without its optimizer step (the data ran out): collect the step's
@@ -226,8 +264,13 @@ class Preemption:
         if self._agreed is not None:
             self._agreed()
 
-    def _preempted_by(self, signum: int) -> int:
+    def _preempted_by(self, pending: int) -> int:
         self.report()
+        self._cause = "deadline" if pending & DEADLINE else "signal"
+        job = self.job
+        if job is not None and job.end_time is not None and self.rank == 0 and self._end_read is None:
+            self._end_read = slurm.EndTimeRead(job.job_id).start()  # overlaps the save; see at_exit
+        signum = pending & SIGNAL_BITS
         return self.policy.exit_code(signum) if self.policy is not None else 128 + signum
 
     def report(self) -> None:
@@ -251,7 +294,15 @@ class Preemption:
             if agent is not None:
                 self.log.warning("launcher_stop", pid=agent, signal="SIGTERM", at="process exit")
         if preempted and self.rank == 0:
+            self._record_job_end()  # before the requeue, which gives the job a new end
             self._requeue()
+
+    def _record_job_end(self) -> None:
+        """The job's end as SLURM has it after the signal (read since the preemption began)."""
+        read, self._end_read = self._end_read, None
+        if read is not None:
+            end_time, read_at = read.result()
+            self.log.info("job_end", end_time=end_time, read_at=read_at, after=self._cause)
 
     def stopped_for_restart(self) -> str | None:
         """A collective failed: if an exit signal had reached this rank under torchrun, the name of
@@ -261,7 +312,7 @@ class Preemption:
         pending = self.watcher.pending
         if not pending or not under_torchrun():
             return None
-        return signal.Signals(pending).name
+        return signal.Signals(pending & SIGNAL_BITS).name
 
     def _requeue(self) -> None:
         policy = self.policy

@@ -37,6 +37,12 @@ from trainfsm.preemption.torchelastic import is_worker, under_torchrun
 #: send before a kill (SLURM's ``--signal``, ``scancel``, preemption, torchrun's forwarding).
 HELD_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
+#: Set in ``SignalWatcher.pending`` beside the exit signal's number when the job's end, not a
+#: signal, ends the run (``trainfsm.preemption.deadline``): the number travels in the same
+#: agreements as a signal's, and every rank can tell. ``pending & SIGNAL_BITS`` is the signal.
+DEADLINE: Final = 0x100
+SIGNAL_BITS: Final = 0xFF
+
 #: Reported at ``run_start`` when ignored, blocked or pending as ``train()`` begins.
 REPORTED_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGHUP, signal.SIGINT, *HELD_SIGNALS)
 
@@ -200,7 +206,7 @@ class SignalWatcher:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Only records: no I/O, no logging, no collective. The machine acts at the next safe point.
-        if self.pending and signum == signal.SIGINT:
+        if self.pending and not self.pending & DEADLINE and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now (checkpoints are atomic regardless)
         where = self.where
         # Before the machine exists (the first lines of train()) the trainer has no state yet.
@@ -208,6 +214,16 @@ class SignalWatcher:
         if not self.pending and self.acting is not None and signum in self.acting:
             self.pending = signum
         self._wake.set()
+
+    def raise_deadline(self, signum: int) -> bool:
+        """From the watchdog's thread: the job's end is near; pending from now on as if ``signum``
+        had arrived, with the ``DEADLINE`` bit (nothing is added to ``received``). False when a
+        signal is already pending: it takes the same way out."""
+        if self.pending:
+            return False
+        self.pending = DEADLINE | signum  # one attribute write: the handler and the main loop read it
+        self._wake.set()
+        return True
 
     def take_new(self) -> list[Received]:
         """Arrivals not yet reported, for the audit trail (called from the main loop, not the handler)."""

@@ -4,6 +4,10 @@ The batch script must ``exec python ...`` and ask for the signal with ``#SBATCH 
 (or be sent ``scancel --batch --signal=USR1 JOBID``): without ``exec`` the signal kills bash and
 never reaches Python. ``#SBATCH --requeue`` lets ``scontrol requeue`` put the job back, and
 ``--open-mode=append`` keeps the first attempt's output. See ``examples/slurm/``.
+
+The job's end (``end_time``) is read from SLURM itself, ``scontrol show job`` with
+``SLURM_TIME_FORMAT=%s`` (epoch seconds, whatever the time zone), never computed from what the
+job was asked for: a preemption with a grace time or ``scontrol update TimeLimit=`` moves it.
 """
 
 from __future__ import annotations
@@ -12,12 +16,16 @@ import os
 import re
 import shutil
 import subprocess
+import threading
+import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 _JOB_ID = re.compile(r"\d+")
 _ARRAY_ID = re.compile(r"\d+_\d+")
+_END_TIME = re.compile(r"(?:^|\s)EndTime=(\S+)")
+_TIME_LIMIT = re.compile(r"(?:^|\s)TimeLimit=(\S+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +36,10 @@ class SlurmJob:
     restart_count: int
     node: str | None
     procid: str | None
+    #: The job's end (epoch seconds) as SLURM had it when ``train()`` began; read by rank 0 only
+    #: (one ``scontrol`` call per job, not per rank). None on other ranks, without a time limit,
+    #: or when SLURM could not say.
+    end_time: float | None = None
 
     @property
     def requeue_id(self) -> str:
@@ -109,3 +121,73 @@ def requeue(job: SlurmJob, timeout: float = 30.0) -> RequeueResult:
         return RequeueResult(command, False, f"{type(exc).__name__}: {exc}")
     message = (done.stdout + done.stderr).strip()
     return RequeueResult(command, done.returncode == 0, message or f"exit status {done.returncode}")
+
+
+def end_time(job_id: str, timeout: float = 5.0) -> float | None:
+    """The job's end, epoch seconds, from ``scontrol show job`` (None: no limit, or SLURM did not say
+    within ``timeout``). About 10 ms on an idle controller; never raises."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None or not valid_job_id(job_id):
+        return None
+    try:
+        # Its own session, as for the requeue: a signal SLURM sends the job's processes (scancel
+        # --signal, the requeue's SIGTERM) must not end the read half-way.
+        shown = subprocess.run(
+            [scontrol, "show", "job", "-o", job_id],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            start_new_session=True,
+            env={**os.environ, "SLURM_TIME_FORMAT": "%s"},
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_end_time(shown.stdout) if shown.returncode == 0 else None
+
+
+def parse_end_time(shown: str) -> float | None:
+    """``EndTime`` of ``scontrol show job -o`` output, in epoch seconds; None for an unlimited job
+    (``TimeLimit=UNLIMITED``) or an end SLURM does not know (``Unknown``)."""
+    limit = _TIME_LIMIT.search(shown)
+    if limit is not None and limit.group(1) in ("UNLIMITED", "INFINITE"):
+        return None
+    found = _END_TIME.search(shown)
+    if found is None:
+        return None
+    value = found.group(1)
+    if value.isdigit():  # SLURM_TIME_FORMAT=%s
+        return float(value)
+    try:  # a SLURM that ignored SLURM_TIME_FORMAT: its default, in local time
+        return time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+@dataclass(slots=True)
+class EndTimeRead:
+    """``end_time`` read in a thread of its own, so that a slow controller never delays the step or
+    the save it overlaps: started at a preemption, collected (``result``) just before the requeue,
+    which moves the job's end."""
+
+    job_id: str
+    end_time: float | None = None
+    read_at: float | None = None
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self) -> EndTimeRead:
+        self._thread = threading.Thread(target=self._read, name="trainfsm-slurm-end-time", daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        self.end_time = end_time(self.job_id)
+        self.read_at = time.time()
+
+    def result(self, timeout: float = 5.0) -> tuple[float | None, float | None]:
+        """(the end, when it was read); (None, None) if the read has not finished within ``timeout``."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return None, None
+        return self.end_time, self.read_at

@@ -59,7 +59,20 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "checkpoint_store_ready": ("seconds",),
     "checkpoint_failed": ("type", "message"),
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
-    "signal_agreed": ("signal", "agreed_step"),
+    "signal_agreed": ("signal", "agreed_step", "reason", "step_ended_at"),
+    "deadline": (
+        "end_time",
+        "decided_at",
+        "left",
+        "needed",
+        "steps",
+        "step_seconds",
+        "save_seconds",
+        "save_measured",
+        "exit_seconds",
+        "margin",
+    ),
+    "job_end": ("end_time", "read_at", "after"),
     "signal_passed_on": ("signal", "received_at", "at_state", "disposition"),
     "signals_not_installed": ("reason",),
     "launcher_stop": ("pid", "signal", "at"),
@@ -101,10 +114,11 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     "run_start": (
         "`format` (2; 1 for trails before `steps` records), `trail` (`form`, `flush_seconds`, `segment_bytes`), "
         "`versions`, `world_size`, `max_steps`, `config`, `slurm` (job id, array task, restart count, node, "
-        "rank; or null), `signals` (`ignored`, `blocked`, `pending`: of SIGHUP, SIGINT, SIGTERM, SIGUSR1, "
-        "SIGUSR2 and the trainer's own exit signals, when `train()` began), `torchelastic` (torchrun's "
-        "`restart_count` as this node's agent counts it, `max_restarts`, `run_id`, and `group`: the number of "
-        "the group `init_distributed` joined, the same on every node, 1 for the first; or null)",
+        "rank, `end_time`: the job's end in epoch seconds as SLURM had it, read by rank 0, null on other ranks "
+        "or without a time limit; or null), `signals` (`ignored`, `blocked`, `pending`: of SIGHUP, SIGINT, "
+        "SIGTERM, SIGUSR1, SIGUSR2 and the trainer's own exit signals, when `train()` began), `torchelastic` "
+        "(torchrun's `restart_count` as this node's agent counts it, `max_restarts`, `run_id`, and `group`: the "
+        "number of the group `init_distributed` joined, the same on every node, 1 for the first; or null)",
         "`train()` starts",
     ),
     "transition": (
@@ -192,8 +206,26 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "an exit signal arrived (logged at the next safe point, not in the handler)",
     ),
     "signal_agreed": (
-        "`signal`, `agreed_step`",
+        "`signal`, `agreed_step`, `reason` (`signal`, or `deadline`: the job's end, not a signal, and `signal` "
+        "is the exit policy's first, whose exit code the run takes), `step_ended_at` (epoch seconds: when "
+        "this rank's step ended, before the ranks agreed; null on a rank that had nothing pending itself)",
         "all ranks agreed a signal is pending: checkpoint at this step, then EXIT",
+    ),
+    "deadline": (
+        "`end_time` (the job's end, epoch seconds), `decided_at`, `left` (seconds to the end then), `needed` "
+        "(what the way out takes: `steps` x `step_seconds` + `save_seconds` + `exit_seconds` + `margin`), "
+        "`steps`, `step_seconds` (the slowest recent step), `save_seconds` (the slowest save of the attempt, "
+        "or an estimate from the state's bytes when `save_measured` is false), `save_measured`, "
+        "`exit_seconds`, `margin` (`job_end_margin`)",
+        "under SLURM with a time limit, rank 0's watchdog found the time left too short for the way out and "
+        "raised the preemption's pending signal (`trainfsm.preemption.deadline`); written at the step's end, "
+        "just before `signal_agreed` (reason `deadline`)",
+    ),
+    "job_end": (
+        "`end_time` (epoch seconds, or null when SLURM did not say), `read_at`, `after` (`signal` or `deadline`)",
+        "a preempted run under SLURM: the job's end as SLURM has it after the signal, read by rank 0 (a "
+        "preemption's grace time moves it), written in EXIT before the requeue; `trainfsm audit` reports the "
+        "margin left at exit against it",
     ),
     "signals_not_installed": (
         "`reason`",
