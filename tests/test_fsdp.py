@@ -149,9 +149,12 @@ def test_checkpoint_hook_saves_a_sharded_fsdp_state_with_dcp_and_resumes_it_exac
         assert all(torch.equal(a, b) for a, b in zip(first["params"], resumed["params"], strict=True))
 
 
-def test_checkpoint_hook_resumes_fsdp_with_a_stateless_optimizer(checkpoint_run: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("label", ["full_sgd", "default_sgd"])
+def test_checkpoint_hook_resumes_fsdp_with_a_stateless_optimizer(
+    checkpoint_run: list[dict[str, Any]], label: str
+) -> None:
     for result in checkpoint_run:
-        first, resumed = result["full_sgd"]["first"], result["full_sgd"]["resumed"]
+        first, resumed = result[label]["first"], result[label]["resumed"]
         assert first["error"] is None
         assert resumed["error"] is None, resumed["error"]
         assert all(torch.equal(a, b) for a, b in zip(first["params"], resumed["params"], strict=True))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from trainfsm import rng
-from trainfsm.torch_workarounds import load_model_and_optimizer
+from trainfsm.torch_workarounds import capture_model_and_optimizer, load_model_and_optimizer
 
 if TYPE_CHECKING:
     import torch
@@ -32,12 +32,11 @@ def built(trainer: BaseTrainer, method: str) -> tuple[nn.Module, torch.optim.Opt
 
 
 def capture(trainer: BaseTrainer, options: Any, data: DataCursor, hooks: Hooks) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model, optimizer = built(trainer, "state_dict")
     options = options if options is not None else trainer.state_dict_options
-
-    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    # torch's get_state_dict, without the zero-gradient optimizer step it takes for an optimizer
+    # without state (SGD without momentum) at every save: see trainfsm.torch_workarounds.
+    model_state, optim_state = capture_model_and_optimizer(model, optimizer, options)
     scheduler, scaler = trainer.lr_scheduler, trainer.grad_scaler
     state: dict[str, Any] = {
         "model": model_state,

@@ -276,6 +276,7 @@ def _fsdp_checkpoint(out: Path) -> dict[str, Any]:
         ("full_adam", StateDictOptions(full_state_dict=True), "adam"),
         ("default_adam", None, "adam"),  # sharded state: every rank writes its shards (DCP)
         ("full_sgd", StateDictOptions(full_state_dict=True), "sgd"),  # an optimizer without state
+        ("default_sgd", None, "sgd"),  # sharded, without optimizer state: saved and loaded with no step
         # Rank 0 alone holds the full state (in CPU memory). Last: today rank 1 fails alone in RESTORE.
         ("full_offload_adam", StateDictOptions(full_state_dict=True, cpu_offload=True), "adam"),
     ):

@@ -213,13 +213,18 @@ def _load_sharded(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from trainfsm.checkpoint import sharded
+    from trainfsm.torch_workarounds import capture_model_and_optimizer
 
     directory = path / sharded.SUBDIR
-    check_fits(path, current, sharded.saved_shapes(sharded.read_metadata(directory)))
+    metadata = sharded.read_metadata(directory)
+    check_fits(path, current, sharded.saved_shapes(metadata))
     view = sharded.sharded_view(trainer.state_dict_options)
-    # The optimizer's state exists only after a step; get_state_dict creates it (zeros) so that
-    # DCP has tensors to read into.
-    model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=view)  # type: ignore[arg-type]
+    if any(key.startswith("optimizer.state.") for key in metadata.state_dict_metadata):
+        # The optimizer's state exists only after a step; get_state_dict creates it (zeros) so that
+        # DCP has tensors to read into: once, here, not at each save.
+        model_state, optim_state = get_state_dict(trainer.model, trainer.optimizer, options=view)  # type: ignore[arg-type]
+    else:  # saved without optimizer state: so it stays, with no zero-gradient step
+        model_state, optim_state = capture_model_and_optimizer(trainer.model, trainer.optimizer, view)
     target = {"model": model_state, "optimizer": optim_state}
     sharded.load(target, directory)
     trainer.load_state_dict({**state, **target}, options=view, data_resume=data_resume)
