@@ -24,6 +24,7 @@ import os
 import pickle
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from io import BytesIO
 from pathlib import Path
 from typing import IO, Any, Final, cast
 
@@ -294,7 +295,14 @@ class DurableWriter:
         os.close(self._fd)
 
 
-def serialize(obj: Any, writer: DurableWriter) -> None:
+def rehearse() -> None:
+    """Serialize a small tensor into memory as a save would: what torch's serializer does at its
+    first use in a process (it imports ``torch.utils.serialization``, ~15 ms here) is done now, not
+    in the first save. ``CheckpointStore.prepare`` calls it in RESTORE."""
+    serialize({"rehearsal": torch.zeros(4)}, BytesIO())
+
+
+def serialize(obj: Any, writer: DurableWriter | IO[bytes]) -> None:
     """``torch.save(obj, writer)``, without torch's per-record crc32 where this torch allows it.
 
     The crc32 is half of a plain ``torch.save``'s time here (0.05 of 0.10 s per 200 MB) and adds

@@ -34,9 +34,10 @@ if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
 
 
-def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool, checksum: str) -> CheckpointStore:
-    """The store under ``root``; rank 0 (which writes) removes interrupted saves' leftovers and makes
-    the writer's threads and buffers now, not in the first save's step."""
+def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool | str, checksum: str) -> CheckpointStore:
+    """The store under ``root``; rank 0 (which writes) removes interrupted saves' leftovers and
+    prepares the writer now, not in the first save's step: its threads and buffers, the serializer's
+    imports, and the way it writes (measured on this disk, or forced), which the trail records."""
     store = CheckpointStore(root, direct_io=direct_io, checksum=checksum)
     log = trainer.events
     if trainer.rank == 0:
@@ -46,7 +47,9 @@ def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool, checksum: s
         foreign = store.foreign()
         if foreign:
             log.warning("checkpoint_foreign", found={c.path.name: c.written_by or "unknown" for c in foreign})
-        log.debug("checkpoint_store_ready", seconds=round(store.prepare(), 6))
+        seconds = store.prepare()
+        assert store.mode is not None
+        log.debug("checkpoint_store_ready", seconds=round(seconds, 6), **store.mode.fields())
     return store
 
 

@@ -44,6 +44,7 @@ class Saved(NamedTuple):
     pruned: list[Checkpoint]
     direct_io: bool  # every file the store wrote went past the page cache (O_DIRECT)
     data: dict[str, Any] | None = None  # the data positions saved with it (``data_positions``)
+    write_mode: dict[str, Any] | None = None  # why it wrote that way: ``chosen_by``, ``rates`` (writemode.Choice)
 
 
 #: What a background save returns: rank 0's ``Saved`` (None on the other ranks of a sharded save)
@@ -160,7 +161,11 @@ class Saver:
         seconds = time.perf_counter() - started
         pruned = store.prune(self.keep_previous)
         data = data_positions(parts["training_state"].get("ranks") or [])
-        return Saved(checkpoint.path, checkpoint.kept, size, checksum, seconds, pruned, store.wrote_directly, data)
+        choice = store.written_with
+        mode = None if choice is None else {"chosen_by": choice.chosen_by, "rates": choice.rates}
+        return Saved(
+            checkpoint.path, checkpoint.kept, size, checksum, seconds, pruned, store.wrote_directly, data, mode
+        )
 
     def _write_sharded(
         self, job: ShardedSave, state: dict[str, Any], started: float, group: Any = None
@@ -233,6 +238,8 @@ def log_saved(trainer: BaseTrainer, saved: Saved, blocked: float | None, world: 
         asynchronous=blocked is not None,
         sharded=world is not None,
         direct_io=saved.direct_io,
+        chosen_by=None if saved.write_mode is None else saved.write_mode["chosen_by"],
+        rates=None if saved.write_mode is None else saved.write_mode["rates"],
         data=saved.data,
         **({"blocked_seconds": round(blocked, 6)} if blocked is not None else {}),
         **({"world_size": world} if world is not None else {}),

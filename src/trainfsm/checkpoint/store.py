@@ -33,11 +33,13 @@ The store shares its root with whatever else is there: a step directory without 
 
 What a complete checkpoint holds and how a reader checks it is ``trainfsm.checkpoint.manifest``'s
 business; how the bytes get to the disk fast (staging buffers, ``O_DIRECT``, checksums on the way)
-is ``trainfsm.checkpoint.io``'s; this module is the order in which they must get there.
+is ``trainfsm.checkpoint.io``'s, and which way is faster on this disk ``trainfsm.checkpoint.writemode``'s;
+this module is the order in which they must get there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -56,6 +58,7 @@ from trainfsm.checkpoint.io import (
     check_checksum,
     digest,
     fsync_dir,
+    rehearse,
     serialize,
     write_durable,
 )
@@ -71,6 +74,7 @@ from trainfsm.checkpoint.manifest import (
 from trainfsm.checkpoint.manifest import load as load_checkpoint
 from trainfsm.checkpoint.manifest import verify as verify_checkpoint
 from trainfsm.checkpoint.trainloop import is_trainloop
+from trainfsm.checkpoint.writemode import Choice, WriteMode
 
 __all__ = [
     "FORMAT",
@@ -113,31 +117,33 @@ class Checkpoint:
 class CheckpointStore:
     """Save, list, verify, load and prune the checkpoints under ``root``.
 
-    Files go through the page cache with each 4 MiB's writeback started at once; ``direct_io=True``
-    writes them with ``O_DIRECT`` where the file system allows it (see ``trainfsm.checkpoint.io.DurableWriter``
-    for when each is faster). A store holds ``BUFFERS`` x ``BUFFER_BYTES`` of staging memory from
-    its first save until ``close``.
+    Files go through the page cache with each 4 MiB's writeback started at once, or past it with
+    ``O_DIRECT``: ``direct_io="auto"`` (the default) measures both on the store's file system in
+    ``prepare`` and uses the faster (``trainfsm.checkpoint.writemode``); ``True``/``False`` forces one.
+    A store holds ``BUFFERS`` x ``BUFFER_BYTES`` of staging memory from ``prepare`` (or its first
+    save) until ``close``.
     """
 
-    def __init__(self, root: Path, *, direct_io: bool = False, checksum: str = "xxh3_128") -> None:
-        if not isinstance(direct_io, bool):
-            raise TypeError(f"CheckpointStore direct_io must be True or False; got {direct_io!r}.")
+    def __init__(self, root: Path, *, direct_io: bool | str = "auto", checksum: str = "xxh3_128") -> None:
         self.root = root
-        self.direct_io = direct_io
+        self._mode = WriteMode("CheckpointStore", direct_io)
+        self.direct_io = self._mode.setting
         self.checksum = check_checksum("CheckpointStore", checksum)
         self._io: ThreadPoolExecutor | None = None
         self._staging: Staging | None = None
         self._saving = threading.Lock()  # one save at a time: they share the staging buffers
-        #: Whether every file of the last save was written past the page cache (O_DIRECT); False
-        #: unless ``direct_io=True`` and the file system allowed it (the ``checkpoint_saved`` event
-        #: says which). The shards of a sharded save are written by DCP, through the page cache.
+        #: Whether every file of the last save was written past the page cache (O_DIRECT), and the
+        #: choice it was written with (the ``checkpoint_saved`` event says both). The shards of a
+        #: sharded save are written by DCP, through the page cache.
         self.wrote_directly = False
+        self.written_with: Choice | None = None
         # Pointers to move with a later save (point_when_saved): pointer -> first step it may name.
         # Registered on the training thread, applied on the one that saves (an async writer).
         self._due: dict[str, int] = {}
         self._due_lock = threading.Lock()
 
     def close(self) -> None:
+        self._mode.close()
         if self._io is not None:
             self._io.shutdown(wait=True)
         self._io = None
@@ -145,17 +151,35 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ saving
     def prepare(self) -> float:
-        """Make the writer's threads and staging buffers now (a no-op when they exist); seconds taken.
+        """Do now what a first save would otherwise do once, inside the step path; seconds taken (a
+        no-op once done). ``CheckpointingHook`` calls it in RESTORE.
 
-        A first save would otherwise pay for them inside the step path (the 24 MiB of buffers are
-        touched page by page); ``CheckpointingHook`` calls this in RESTORE instead.
+        That is: the writer's I/O thread and staging buffers (24 MiB, touched page by page), the
+        checksum's and torch's serializer's imports (``rehearse``), and the way of writing (``mode``:
+        measured on this file system, which also starts the I/O thread, or forced). The root is made
+        for the measurement and removed again if it stays empty.
         """
         started = time.perf_counter()
         if self._io is None or self._staging is None:
             self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="trainfsm-ckpt-io")
             self._staging = Staging()
             digest(self.checksum)  # imports xxhash
+            rehearse()
+        if self._mode.choice is None:
+            made = not self.root.is_dir()
+            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self._mode.choose(self.root, self._io, self._staging)
+            finally:
+                if made:
+                    with contextlib.suppress(OSError):
+                        self.root.rmdir()  # nothing saved yet: no directory to show for it
         return time.perf_counter() - started
+
+    @property
+    def mode(self) -> Choice | None:
+        """How the next save writes its files, and why (None before ``prepare``)."""
+        return self._mode.choice
 
     def begin(self, step: int) -> Path:
         """A new temporary directory for checkpoint ``step``, for writers other than ``save`` (the
@@ -189,10 +213,13 @@ class CheckpointStore:
         tmp = into if into is not None else self.begin(step)
         try:
             with self._saving:
-                return self._save_into(tmp, step, parts, keep, written, world_size)
+                saved = self._save_into(tmp, step, parts, keep, written, world_size)
         except BaseException:
             self.discard(tmp)
             raise
+        assert self._io is not None and self._staging is not None
+        self._mode.recheck_if_due(self.root, self._io, self._staging, self._saving)  # off the save's time
+        return saved
 
     def _save_into(
         self,
@@ -214,12 +241,13 @@ class CheckpointStore:
         files: dict[str, dict[str, Any]] = {}
         total = 0
         direct = True
+        self.written_with = self._mode.choice
         for stem, obj in parts.items():
             writer = DurableWriter(
                 tmp / f"{stem}.pt",
                 self._io,
                 self._staging,
-                direct=self.direct_io,
+                direct=self._mode.direct,
                 checksum=self.checksum,
             )
             try:

@@ -19,6 +19,7 @@ from trainfsm.checkpoint.io import check_checksum
 from trainfsm.checkpoint.restore import model_shapes, open_store, refuse_foreign_ahead, restore
 from trainfsm.checkpoint.save import Saver, SaveResult, log_saved, saves_sharded
 from trainfsm.checkpoint.store import CheckpointStore
+from trainfsm.checkpoint.writemode import check_direct_io
 from trainfsm.hooks.base import BaseHook
 from trainfsm.machine import ExitReason
 from trainfsm.options import int_at_least
@@ -60,10 +61,13 @@ class CheckpointingHook(BaseHook):
     it guards against torn writes, bit rot and truncation, which is what a checksum stored beside the
     data can do) or ``"sha256"``. Loading verifies with whichever one a checkpoint's manifest names.
 
-    ``direct_io`` (default False): checkpoint files go through the page cache, each 4 MiB's writeback
-    started as soon as it is written, and their pages are dropped after the fsync; ``True`` writes
-    them past the page cache (``O_DIRECT``) where the file system allows it, for storage where that
-    is faster (``benchmarks/checkpoint.py`` measures both; see ``trainfsm.checkpoint.io.DurableWriter``).
+    ``direct_io``: how checkpoint files reach the disk. ``"auto"`` (default) measures both ways on
+    the checkpoint's file system in RESTORE (a probe of 64 MiB, re-checked every ten minutes after a
+    save) and uses the faster; ``False`` forces the page cache, each 4 MiB's writeback started as
+    soon as it is written and the pages dropped after the fsync; ``True`` forces ``O_DIRECT`` (past
+    the page cache). Where the file system refuses ``O_DIRECT`` the files go through the page cache.
+    ``checkpoint_store_ready`` and ``checkpoint_saved`` record the choice and the measured rates
+    (see ``trainfsm.checkpoint.writemode``; ``benchmarks/checkpoint.py`` measures both ways).
 
     Other hooks keep pointers beside ``latest`` (``EarlyStoppingHook``: ``best``) through
     ``point_when_saved`` and ``point_to_loaded``; pruning never deletes a pointer's target.
@@ -85,7 +89,7 @@ class CheckpointingHook(BaseHook):
         requeue: bool | Literal["auto"] = "auto",
         max_requeues: int | None = None,
         sharded: bool | Literal["auto"] = "auto",
-        direct_io: bool = False,
+        direct_io: bool | Literal["auto"] = "auto",
         checksum: Literal["xxh3_128", "sha256"] = "xxh3_128",
     ) -> None:
         self.interval = int_at_least("CheckpointingHook interval", interval, 1)
@@ -234,5 +238,4 @@ def _check_modes(data_resume: Any, sharded: Any, direct_io: Any) -> None:
             f"CheckpointingHook sharded must be True, False or 'auto' (sharded exactly when the model "
             f"state is split over ranks); got {sharded!r}."
         )
-    if not isinstance(direct_io, bool):
-        raise TypeError(f"CheckpointingHook direct_io must be True or False; got {direct_io!r}.")
+    check_direct_io("CheckpointingHook", direct_io)

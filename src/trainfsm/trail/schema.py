@@ -47,6 +47,8 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
         "asynchronous",
         "sharded",
         "direct_io",
+        "chosen_by",
+        "rates",
         "data",
     ),
     "checkpoint_loaded": ("path", "from_step", "sharded", "format", "checksum"),
@@ -56,7 +58,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "checkpoint_not_newest": ("path", "from_step", "newest", "newest_step"),
     "checkpoint_pruned": ("paths",),
     "checkpoint_tmp_removed": ("names",),
-    "checkpoint_store_ready": ("seconds",),
+    "checkpoint_store_ready": ("seconds", "direct_io", "chosen_by", "rates"),
     "checkpoint_failed": ("type", "message"),
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
     "signal_agreed": ("signal", "agreed_step", "reason", "step_ended_at"),
@@ -163,7 +165,8 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     ),
     "checkpoint_saved": (
         "`path`, `saved_step`, `bytes`, `seconds`, `checksum` (of the manifest), `kept`, `asynchronous` "
-        "(+ `blocked_seconds`), `sharded`, `direct_io` (its files went past the page cache), `data` (the data "
+        "(+ `blocked_seconds`), `sharded`, `direct_io` (its files went past the page cache), `chosen_by` and "
+        "`rates` (why it wrote that way: as in `checkpoint_store_ready`, after any re-check), `data` (the data "
         "positions saved: `{epoch, batches}` when every rank's is the same, else `{ranks: [[epoch, batches], "
         "...]}`; null when unknown)",
         "a checkpoint is durable",
@@ -193,8 +196,12 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     "checkpoint_pruned": ("`paths`", "old checkpoints deleted after a save"),
     "checkpoint_tmp_removed": ("`names`", "leftovers of an interrupted save deleted in RESTORE"),
     "checkpoint_store_ready": (
-        "`seconds`",
-        "RESTORE made the store's writer thread and staging buffers, so the first save does not pay for them (DEBUG)",
+        "`seconds`, `direct_io` (the way saves will write: past the page cache or through it), `chosen_by` "
+        "(`measurement`, `direct_io=True`, `direct_io=False`, or `O_DIRECT refused`: the file system refused "
+        "it), `rates` (GB/s measured each way on the checkpoint's file system, `page_cache` and `o_direct`, "
+        "null where refused; null when forced)",
+        "RESTORE prepared the store's writer (its thread and staging buffers, the serializer's imports, the "
+        "way to write), so that the first save does none of it (DEBUG)",
     ),
     "checkpoint_failed": (
         "`type`, `message`",

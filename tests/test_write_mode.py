@@ -1,0 +1,202 @@
+"""The store measures both ways of writing on the checkpoint's file system, uses the faster, re-checks
+now and then, and records the choice and the rates in the trail; ``direct_io=True``/``False``
+forces a way, and a file system that refuses ``O_DIRECT`` gets the page cache (issue 35)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import TinyTrainer, read_events
+from trainfsm import CheckpointingHook
+from trainfsm.checkpoint import io, writemode
+from trainfsm.checkpoint.store import CheckpointStore
+
+
+@pytest.fixture(autouse=True)
+def unmeasured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test starts without the process's shared measurement."""
+    monkeypatch.setattr(writemode, "_measured", {})
+
+
+def train(workspace: Path, steps: int = 4, **hook: Any) -> list[dict[str, Any]]:
+    TinyTrainer(max_steps=steps, workspace=workspace, hooks=[CheckpointingHook(interval=2, **hook)]).train()
+    return read_events(workspace)
+
+
+def named(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == name]
+
+
+def o_direct_works(directory: Path) -> bool:
+    fd, direct = io.open_for_writing(directory / "probe", True)
+    os.close(fd)
+    (directory / "probe").unlink()
+    return direct
+
+
+def fake_rates(monkeypatch: pytest.MonkeyPatch, *rates: dict[str, float | None]) -> list[Path]:
+    """``measure`` returns ``rates`` one after the other (the last one from then on); the roots it was asked about."""
+    asked: list[Path] = []
+
+    def measure(root: Path, *_: Any) -> dict[str, float | None]:
+        asked.append(root)
+        return rates[min(len(asked), len(rates)) - 1]
+
+    monkeypatch.setattr(writemode, "measure", measure)
+    return asked
+
+
+def test_restore_measures_both_ways_and_the_trail_says_which_it_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ways: list[tuple[bool, int]] = []
+    probe = writemode._probe
+
+    def spy(path: Path, io_: Any, staging: Any, direct: bool, data: bytes, *times: int) -> tuple[float, bool]:
+        ways.append((direct, len(data) * (times[0] if times else writemode.PROBE_BYTES // len(data))))
+        return probe(path, io_, staging, direct, data, *times)
+
+    monkeypatch.setattr(writemode, "_probe", spy)
+    events = train(tmp_path)
+    # Measured by the store's own writer, each way twice, alternating so that drift favours neither.
+    size = writemode.PROBE_BYTES
+    assert ways == [(False, size), (True, size), (True, size), (False, size)]
+    (ready,) = named(events, "checkpoint_store_ready")
+    assert ready["state"] == "RESTORE"
+    rates = ready["rates"]
+    if o_direct_works(tmp_path):
+        assert ready["chosen_by"] == "measurement" and rates["page_cache"] > 0 and rates["o_direct"] > 0
+        assert ready["direct_io"] == (rates["o_direct"] > rates["page_cache"])
+    else:
+        assert ready["chosen_by"] == "O_DIRECT refused" and rates["o_direct"] is None and not ready["direct_io"]
+    saved = named(events, "checkpoint_saved")
+    assert [(e["direct_io"], e["chosen_by"], e["rates"]) for e in saved] == [
+        (ready["direct_io"], ready["chosen_by"], rates)
+    ] * 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "latest"]  # no probe file left
+
+
+@pytest.mark.parametrize("faster", ["o_direct", "page_cache"])
+def test_the_store_writes_the_way_measured_faster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, faster: str) -> None:
+    if not o_direct_works(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    rates = {"page_cache": 1.0, "o_direct": 1.0, faster: 1.5}
+    asked = fake_rates(monkeypatch, rates)
+    events = train(tmp_path)
+    assert asked == [tmp_path / "checkpoints"]  # the checkpoint's own file system
+    (ready,) = named(events, "checkpoint_store_ready")
+    assert (ready["direct_io"], ready["chosen_by"], ready["rates"]) == (faster == "o_direct", "measurement", rates)
+    assert [e["direct_io"] for e in named(events, "checkpoint_saved")] == [faster == "o_direct"] * 2
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_a_forced_way_is_honoured_and_nothing_is_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forced: bool
+) -> None:
+    asked = fake_rates(monkeypatch, {"page_cache": 1.0, "o_direct": 1.0, "page_cache" if forced else "o_direct": 9.0})
+    events = train(tmp_path, direct_io=forced)
+    assert asked == []
+    direct = forced and o_direct_works(tmp_path)
+    chosen_by = f"direct_io={forced}" if direct == forced else "O_DIRECT refused"
+    (ready,) = named(events, "checkpoint_store_ready")
+    assert (ready["direct_io"], ready["chosen_by"], ready["rates"]) == (direct, chosen_by, None)
+    assert [(e["direct_io"], e["chosen_by"]) for e in named(events, "checkpoint_saved")] == [(direct, chosen_by)] * 2
+
+
+@pytest.fixture
+def o_direct_refused(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A file system that refuses O_DIRECT at open(), as tmpfs does."""
+    opener = os.open
+    flag = getattr(os, "O_DIRECT", 0)
+
+    def refusing(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flag and flags & flag:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return opener(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    yield
+
+
+@pytest.mark.parametrize("setting", ["auto", True])
+@pytest.mark.usefixtures("o_direct_refused")
+def test_where_o_direct_is_refused_the_files_go_through_the_page_cache(tmp_path: Path, setting: Any) -> None:
+    events = train(tmp_path, direct_io=setting)
+    (ready,) = named(events, "checkpoint_store_ready")
+    assert (ready["direct_io"], ready["chosen_by"]) == (False, "O_DIRECT refused")
+    if setting == "auto":
+        assert ready["rates"]["o_direct"] is None and ready["rates"]["page_cache"] > 0
+    assert [e["direct_io"] for e in named(events, "checkpoint_saved")] == [False, False]
+    resumed = TinyTrainer(max_steps=6, workspace=tmp_path, hooks=[CheckpointingHook(interval=2, direct_io=setting)])
+    resumed.train()
+    assert resumed.attempt == 1 and named(read_events(tmp_path), "checkpoint_loaded")[-1]["from_step"] == 4
+
+
+def test_o_direct_refused_at_the_first_write_counts_as_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Some file systems take O_DIRECT at open() and refuse it at write() with EINVAL.
+    import fcntl
+
+    if not o_direct_works(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    pwrite = os.pwrite
+
+    def picky(fd: int, data: Any, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", picky)
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.prepare()
+    assert store.mode is not None and (store.mode.direct, store.mode.chosen_by) == (False, "O_DIRECT refused")
+    assert store.mode.rates is not None and store.mode.rates["o_direct"] is None
+    store.close()
+
+
+def test_the_choice_is_rechecked_after_a_save_once_it_is_old(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = {"page_cache": 1.0, "o_direct": 2.0}
+    within_noise = {"page_cache": 2.1, "o_direct": 2.0}  # faster, but not by SWITCH_MARGIN: no switch
+    turned = {"page_cache": 3.0, "o_direct": 1.0}
+    asked = fake_rates(monkeypatch, first, within_noise, turned)
+    store = CheckpointStore(tmp_path / "checkpoints", direct_io=False)
+    store._mode = writemode.WriteMode("CheckpointStore", "auto")  # the default, with the rates above
+    store.prepare()
+    state = {"w": torch.zeros(3)}
+    seen = []
+    monkeypatch.setattr(writemode, "RECHECK_SECONDS", 0.0)
+    for step in range(1, 5):
+        store.save(step, {"model": state}, keep=False)
+        seen.append((store.wrote_directly, store.written_with and store.written_with.rates))
+        store._mode.close()  # wait for the re-check the save started (in a run, the next save waits for it)
+    store.close()
+    assert len(asked) == 5  # RESTORE's probe, then one after each save
+    assert seen == [(True, first), (True, within_noise), (False, turned), (False, turned)]
+
+
+def test_without_a_recheck_due_a_save_measures_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = fake_rates(monkeypatch, {"page_cache": 1.0, "o_direct": 2.0})
+    store = CheckpointStore(tmp_path / "a")
+    for step in range(3):
+        store.save(step, {"model": {"w": torch.zeros(3)}}, keep=False)
+    store.close()
+    # A second store on the same file system uses the same fresh measurement.
+    CheckpointStore(tmp_path / "b").prepare()
+    assert asked == [tmp_path / "a"]
+
+
+def test_measure_writes_through_the_stores_writer_and_leaves_nothing(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, direct_io=False)
+    store.prepare()
+    assert store._io is not None and store._staging is not None
+    rates = writemode.measure(tmp_path, store._io, store._staging)
+    store.close()
+    assert rates["page_cache"] is not None and rates["page_cache"] > 0
+    assert (rates["o_direct"] is not None) == o_direct_works(tmp_path)
+    assert list(tmp_path.iterdir()) == []
