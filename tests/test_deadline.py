@@ -1,0 +1,308 @@
+"""The job's end (issue 34, items 3 and 4) in one process: the ``job_end_margin`` option, the job's
+end read from SLURM, and the trainer leaving by the preemption's path before it. Here SLURM is a
+stand-in ``scontrol`` on PATH (``FakeSlurm``) that answers with an end time the test sets; the real
+cluster runs the same in tests/slurm/test_job_end.py."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import TinyTrainer, read_events
+from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
+from trainfsm.preemption import deadline
+from trainfsm.preemption.deadline import AUTO_MARGIN_FLOOR, AUTO_MARGIN_SHARE, EXIT_SECONDS, Deadline
+from trainfsm.preemption.signals import DEADLINE, SignalWatcher
+from trainfsm.preemption.slurm import parse_end_time
+from trainfsm.tools import audit
+
+SCONTROL = """#!/bin/sh
+# A stand-in for SLURM's scontrol: "show job -o ID" prints EndTime from $FAKE_SLURM/end (epoch seconds
+# when SLURM_TIME_FORMAT=%s, else SLURM's default local time), "requeue ID" is logged. Every call too.
+echo "$SLURM_TIME_FORMAT|$*" >>"$FAKE_SLURM/calls"
+case "$1" in
+show)
+  end=$(cat "$FAKE_SLURM/end")
+  [ "$SLURM_TIME_FORMAT" = "%s" ] || end=$(date -d "@$end" +%Y-%m-%dT%H:%M:%S)
+  echo "JobId=$4 JobName=fake JobState=RUNNING BatchFlag=1 TimeLimit=00:01:00 StartTime=0 EndTime=$end"
+  ;;
+requeue) echo "$2" >>"$FAKE_SLURM/requeued" ;;
+esac
+"""
+
+
+class FakeSlurm:
+    """A SLURM batch job 4242 for this process: SLURM_JOB_ID and an ``scontrol`` on PATH."""
+
+    def __init__(self, directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.dir = directory
+        (directory / "bin").mkdir(parents=True)
+        scontrol = directory / "bin" / "scontrol"
+        scontrol.write_text(SCONTROL)
+        scontrol.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{directory / 'bin'}:{os.environ['PATH']}")
+        monkeypatch.setenv("FAKE_SLURM", str(directory))
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+
+    def end_in(self, seconds: float) -> float:
+        """The job ends ``seconds`` from now (whole seconds, as SLURM says it); returns the end."""
+        end = math.floor(time.time() + seconds)
+        (self.dir / "end").write_text(str(end))
+        return float(end)
+
+    def calls(self) -> list[str]:
+        path = self.dir / "calls"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def requeued(self) -> list[str]:
+        path = self.dir / "requeued"
+        return path.read_text().splitlines() if path.exists() else []
+
+
+class Slow(BaseHook):
+    """Each step takes at least ``seconds``; optionally calls ``at_step[step]()`` as a step ends."""
+
+    def __init__(self, seconds: float, at_step: dict[int, Any] | None = None) -> None:
+        self.seconds, self.at_step = seconds, dict(at_step or {})
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        time.sleep(self.seconds)
+        action = self.at_step.pop(trainer.step, None)
+        if action is not None:
+            action()
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
+    return FakeSlurm(tmp_path / "slurm", monkeypatch)
+
+
+@pytest.fixture
+def quick_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny CPU run exits in well under a second: plan half a second for it, not EXIT_SECONDS."""
+    monkeypatch.setattr(deadline, "EXIT_SECONDS", 0.5)
+
+
+def trainer(workspace: Path, steps: int, slow: float = 0.01, **kwargs: Any) -> TinyTrainer:
+    hooks = [CheckpointingHook(interval=1000), Slow(slow, kwargs.pop("at_step", None))]
+    return TinyTrainer(max_steps=steps, workspace=workspace, hooks=hooks, **kwargs)
+
+
+def parameters(run: TinyTrainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in run.model.parameters()]  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------- the option
+@pytest.mark.parametrize("value", ["auto", None, 0, 30, 2.5])
+def test_job_end_margin_takes_auto_seconds_or_none(value: Any) -> None:
+    expected = value if value in ("auto", None) else float(value)
+    assert TinyTrainer(max_steps=1, job_end_margin=value).job_end_margin == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("soon", TypeError),
+        ("30", TypeError),
+        (True, TypeError),
+        ([30], TypeError),
+        (-1, ValueError),
+        (float("nan"), ValueError),
+        (math.inf, ValueError),
+    ],
+)
+def test_a_bad_job_end_margin_names_the_argument_and_what_it_takes(value: Any, error: type[Exception]) -> None:
+    with pytest.raises(error) as info:
+        TinyTrainer(max_steps=1, job_end_margin=value)
+    message = str(info.value)
+    assert message.startswith("job_end_margin must be 'auto', a number of seconds >= 0 or None"), message
+    assert repr(value) in message
+
+
+# ---------------------------------------------------------------- pure parts
+def test_the_deadline_adds_the_steps_a_save_the_exit_and_the_margin() -> None:
+    one = Deadline(end_time=1000.0, margin=2.0, steps=1)
+    needed = 1 * 3.0 + 4.0 + EXIT_SECONDS + 2.0
+    assert one.due(1000.0 - needed - 0.01, step=3.0, save=4.0) is None
+    figures = one.due(1000.0 - needed + 0.01, step=3.0, save=4.0, save_measured=False)
+    assert figures is not None and figures["needed"] == round(needed, 3)
+    assert figures["left"] == pytest.approx(needed - 0.01)
+    assert (figures["steps"], figures["margin"], figures["save_measured"]) == (1, 2.0, False)
+    # Several ranks: the step-end all-reduce carries the signal one step later. Auto: the floor, or a quarter.
+    assert Deadline.for_job(1000.0, "auto", world=8) == Deadline(1000.0, None, 2)
+    small = Deadline(1000.0, None, 1).due(999.0, step=1.0, save=1.0)
+    assert small is not None and small["margin"] == AUTO_MARGIN_FLOOR
+    large = Deadline(1000.0, None, 2).due(999.0, step=100.0, save=200.0)
+    assert large is not None and large["margin"] == AUTO_MARGIN_SHARE * (200.0 + 200.0 + EXIT_SECONDS)
+    assert Deadline.for_job(None, "auto", 1) is None and Deadline.for_job(1000.0, None, 1) is None
+
+
+def test_the_end_time_is_read_from_scontrols_output() -> None:
+    line = "JobId=7 JobState=RUNNING TimeLimit=00:01:00 StartTime=1795664753 EndTime=1795664813 Deadline=N/A"
+    assert parse_end_time(line) == 1795664813.0
+    local = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(1795664813))
+    assert parse_end_time(line.replace("1795664813", local)) == 1795664813.0  # a SLURM without SLURM_TIME_FORMAT
+    assert parse_end_time("JobId=7 TimeLimit=UNLIMITED EndTime=Unknown") is None
+    assert parse_end_time("JobId=7 TimeLimit=00:01:00 EndTime=Unknown") is None
+    assert parse_end_time("") is None
+
+
+def test_a_deadline_pending_does_not_make_a_first_ctrl_c_a_second_one(tmp_path: Path) -> None:
+    class Where:
+        step, state = 3, "ACCUMULATE"
+
+    watcher = SignalWatcher(Where())
+    watcher.acting = frozenset({signal.SIGINT, signal.SIGTERM})
+    assert watcher.raise_deadline(signal.SIGTERM) and watcher.pending == DEADLINE | signal.SIGTERM
+    try:
+        watcher._handle(signal.SIGINT, None)  # recorded; with a real signal pending it would raise
+    except KeyboardInterrupt:
+        pytest.fail("a first Ctrl-C while the deadline is pending was taken for a second one")
+    assert [r.signum for r in watcher.received] == [signal.SIGINT]
+    assert not watcher.raise_deadline(signal.SIGTERM)  # once
+    watcher.pending = signal.SIGINT
+    with pytest.raises(KeyboardInterrupt):
+        watcher._handle(signal.SIGINT, None)
+
+
+# ---------------------------------------------------------------- a real run under a fake SLURM
+@pytest.mark.usefixtures("quick_exit")
+@pytest.mark.parametrize("stall_timeout", ["auto", None], ids=["with_stall_watchdog", "stall_timeout_none"])
+def test_the_trainer_leaves_by_the_preemption_path_before_the_jobs_end_and_resumes_exactly(
+    tmp_path: Path, fake_slurm: FakeSlurm, stall_timeout: Any
+) -> None:
+    """SLURM says the job ends 5-6 s from now; the run needs far longer. Before the end, rank 0's
+    watchdog thread (started for the deadline alone when ``stall_timeout=None``) raises the pending
+    signal: the step ends, the checkpoint hook saves, the job is requeued, and the process exits 143
+    (SIGTERM, the policy's first signal), all before the end. Trail: ``run_start.slurm.end_time``,
+    ``deadline``, ``signal_agreed`` (reason deadline), ``job_end``, ``requeue``, ``exit``. The next
+    attempt resumes and ends with an uninterrupted run's parameters."""
+    workspace = tmp_path / "run"
+    end = fake_slurm.end_in(6.0)  # BUILD takes seconds on a busy machine: leave time to measure steps
+    first = trainer(workspace, steps=1000, job_end_margin=0.25, stall_timeout=stall_timeout)
+    with pytest.raises(SystemExit) as info:
+        first.train()
+    left_at_exit = end - time.time()
+    events = read_events(workspace)
+    assert info.value.code == 128 + signal.SIGTERM
+    assert 0 < left_at_exit < 6.0, [(e["event"], e["step"], round(end - e["ts"], 3)) for e in events]
+    start = events[0]
+    assert start["event"] == "run_start" and start["slurm"]["end_time"] == end
+    names = [e["event"] for e in events]
+    assert "signal_received" not in names  # no signal came: the job's end did
+    [made] = [e for e in events if e["event"] == "deadline"]
+    [agreed] = [e for e in events if e["event"] == "signal_agreed"]
+    assert names.index("deadline") + 1 == names.index("signal_agreed")
+    assert (agreed["signal"], agreed["reason"], agreed["agreed_step"]) == ("SIGTERM", "deadline", made["step"])
+    assert made["end_time"] == end and 0 < made["left"] < made["needed"] and made["margin"] == 0.25
+    assert made["decided_at"] <= agreed["step_ended_at"] <= agreed["ts"]
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert [e["saved_step"] for e in saved] == [agreed["agreed_step"]] and saved[0]["ts"] < end
+    [job_end] = [e for e in events if e["event"] == "job_end"]
+    assert (job_end["end_time"], job_end["after"], job_end["state"]) == (end, "deadline", "EXIT")
+    assert names.index("job_end") < names.index("requeue") < names.index("exit")
+    assert fake_slurm.requeued() == ["4242"]
+    assert (events[-1]["event"], events[-1]["reason"], events[-1]["code"]) == ("exit", "preempted", 143)
+    assert events[-1]["ts"] < end
+    # Rank 0 asked SLURM with SLURM_TIME_FORMAT=%s: at the start, and after the deadline (before the requeue).
+    assert [c for c in fake_slurm.calls() if c.startswith("%s|")] == ["%s|show job -o 4242"] * 2
+
+    report = audit.audit([workspace])
+    assert report.consistent and report.ended_well, (report.problems, report.run_problems)
+    timing = report.attempts[0].as_dict()["preemption"]
+    assert (timing["cause"], timing["signal"], timing["agreed_step"], timing["at"]) == (
+        "deadline",
+        "SIGTERM",
+        agreed["agreed_step"],
+        made["decided_at"],
+    )
+    assert 0 <= timing["step_finished"] <= timing["agreed"] <= timing["durable"] <= timing["exit"]
+    assert timing["job_end"] == end and timing["job_end_read"] == "signal" and timing["margin"] > 0
+
+    fake_slurm.end_in(3600.0)
+    second = trainer(workspace, steps=1000, slow=0.0, job_end_margin=0.25, stall_timeout=stall_timeout)
+    second.train()
+    again = [e for e in read_events(workspace) if e["attempt"] == 1]
+    assert not [e for e in again if e["event"] in ("deadline", "signal_agreed", "job_end")]
+    assert (again[-1]["event"], again[-1]["reason"]) == ("exit", "completed")
+    straight = trainer(tmp_path / "straight", steps=1000, slow=0.0, job_end_margin=None)
+    straight.train()
+    assert all(torch.equal(a, b) for a, b in zip(parameters(second), parameters(straight), strict=True))
+
+
+@pytest.mark.usefixtures("quick_exit")
+def test_job_end_margin_none_leaves_the_end_to_slurm(tmp_path: Path, fake_slurm: FakeSlurm) -> None:
+    """The guard of the test above: with the deadline off, the same run goes past the job's end."""
+    end = fake_slurm.end_in(1.0)
+    trainer(tmp_path, steps=150, job_end_margin=None).train()
+    events = read_events(tmp_path)
+    assert events[-1]["ts"] > end and (events[-1]["reason"], events[-1]["code"]) == ("completed", 0)
+    assert not [e for e in events if e["event"] in ("deadline", "signal_agreed", "job_end", "requeue")]
+
+
+def test_the_job_end_read_after_a_signal_is_the_one_audit_measures_the_margin_against(
+    tmp_path: Path, fake_slurm: FakeSlurm
+) -> None:
+    """A preemption moves the job's end (SLURM's grace time): rank 0 reads it again after the signal.
+    Here the end is an hour away at the start and at the signal itself after it: the checkpoint becomes
+    durable after it, and the audit says so in a note (not a run problem: the save is complete)."""
+    fake_slurm.end_in(3600.0)
+    moved: list[float] = []
+
+    def preempt() -> None:
+        moved.append(float(math.floor(time.time())))  # SLURM's ends are whole seconds
+        (fake_slurm.dir / "end").write_text(str(int(moved[0])))
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    with pytest.raises(SystemExit) as info:
+        trainer(tmp_path, steps=20, at_step={3: preempt}).train()
+    assert info.value.code == 128 + signal.SIGUSR1
+    events = read_events(tmp_path)
+    [job_end] = [e for e in events if e["event"] == "job_end"]
+    assert job_end["after"] == "signal" and job_end["end_time"] == moved[0]
+
+    report = audit.audit([tmp_path])
+    assert report.consistent and report.ended_well
+    timing = report.attempts[0].as_dict()["preemption"]
+    assert timing["job_end_read"] == "signal" and timing["save_after_end"] and timing["margin"] < 0
+    [note] = [n.message for n in report.notes if "job's end" in n.message]
+    assert note.startswith("attempt 0: the SIGUSR1 preemption's checkpoint (step 4) became durable ")
+    assert "--signal=USR1@" in note and "docs/guides/preemption.md#how-much-lead-time" in note
+
+
+def test_outside_slurm_nothing_is_read_and_no_deadline_is_armed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No SLURM_JOB_ID: no scontrol call (one is on PATH), no end time, no thread with the stall
+    watchdog off, and a signal's preemption has no job_end."""
+    fake = FakeSlurm(tmp_path / "slurm", monkeypatch)
+    fake.end_in(0.0)  # were it read, the deadline would be due at once
+    monkeypatch.delenv("SLURM_JOB_ID")
+    threads: list[bool] = []
+
+    class Look(BaseHook):
+        def on_after_step(self, trainer: BaseTrainer) -> None:
+            threads.append(any(t.name == "trainfsm-watchdog" for t in threading.enumerate()))
+            if trainer.step == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    run = TinyTrainer(
+        max_steps=6, workspace=tmp_path / "run", hooks=[CheckpointingHook(interval=100), Look()], stall_timeout=None
+    )
+    with pytest.raises(SystemExit):
+        run.train()
+    events = read_events(tmp_path / "run")
+    assert events[0]["slurm"] is None and run.slurm is None and threads == [False] * 4
+    assert not [e for e in events if e["event"] in ("deadline", "job_end", "requeue")]
+    [agreed] = [e for e in events if e["event"] == "signal_agreed"]
+    assert agreed["reason"] == "signal" and agreed["step_ended_at"] <= agreed["ts"]
+    assert fake.calls() == []
