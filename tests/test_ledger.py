@@ -62,7 +62,7 @@ def test_a_killed_and_resumed_run_draws_each_batch_once_and_the_ledger_says_so(t
         "not kept) (steps 1-8); attempt 1: epoch 0 batch 8 -> epoch 1 batch 2 (steps 9-12): each batch drawn once"
     )
     done = run_cli_audit(tmp_path)
-    assert done.returncode == 0 and "data ledger:\n  rank 0: attempt 0: " in done.stdout
+    assert done.returncode == 0 and "\ndata ledger: rank 0: attempt 0: " in done.stdout
 
 
 def test_the_trail_records_the_positions_saved_and_restored(tmp_path: Path) -> None:

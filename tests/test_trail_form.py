@@ -15,6 +15,7 @@ from trainfsm import CheckpointingHook
 from trainfsm.tools.audit import audit
 from trainfsm.trail import writer as events
 from trainfsm.trail.reader import expand_steps
+from trainfsm.trail.schema import FORMAT_VERSION
 
 
 def raw_lines(workspace: Path) -> list[dict[str, Any]]:
@@ -33,12 +34,14 @@ def test_routine_steps_between_checkpoints_are_one_record_each_run(tmp_path: Pat
     train(tmp_path, 20, hooks=[CheckpointingHook(interval=8)], gradient_accumulation_steps=2)
     lines = raw_lines(tmp_path)
     steps = [(e["first"], e["step"], e["micro"], len(e["dt"])) for e in lines if e["event"] == "steps"]
-    assert steps == [(1, 7, 2, 7), (9, 15, 2, 7), (17, 19, 2, 3)]
-    # Steps 8 and 16 save (a checkpoint is not routine) and 20 finishes: verbatim, as before.
+    assert steps == [(1, 7, 2, 7), (10, 15, 2, 6), (18, 19, 2, 2)]
+    # Steps 8 and 16 save (a checkpoint is not routine) and 20 finishes: verbatim, as before; so are
+    # 9 and 17, whose first batch is the data ledger's fingerprint after a save.
     verbatim = [(e["step"], e["trigger"]) for e in lines if e["event"] == "transition" and e["step"] in (8, 20)]
     saved_at_8 = [(8, "micro"), (8, "micro"), (8, "save"), (8, "resume")]
     assert verbatim == [*saved_at_8, (20, "micro"), (20, "micro"), (20, "save"), (20, "finish")]
-    assert not any(e["event"] == "transition" and e["trigger"] == "stepped" for e in lines)
+    stepped = [e["step"] for e in lines if e["event"] == "transition" and e["trigger"] == "stepped"]
+    assert stepped == [9, 17]
 
 
 def test_the_compact_form_expands_to_exactly_the_full_forms_transitions(tmp_path: Path) -> None:
@@ -202,12 +205,12 @@ def test_a_format_1_trail_is_still_read_and_audited() -> None:
     assert [r["step"] for r in attempt.first.retries] == [2]
 
 
-def test_a_run_begun_in_format_1_and_continued_in_format_2_reads_as_one_trail(tmp_path: Path) -> None:
+def test_a_run_begun_in_format_1_and_continued_in_the_current_format_reads_as_one_trail(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
     (tmp_path / EVENTS_FILE).write_bytes((FORMAT_1 / "logs" / "events.rank0.jsonl").read_bytes())
     train(tmp_path, 6)
     starts = [e for e in trail_events(tmp_path) if e["event"] == "run_start"]
-    assert [(e["format"], e["attempt"]) for e in starts] == [(1, 0), (2, 1)]
+    assert [(e["format"], e["attempt"]) for e in starts] == [(1, 0), (FORMAT_VERSION, 1)]
     assert len({e["run_id"] for e in starts}) == 1
     assert any(e["event"] == "steps" for e in raw_lines(tmp_path))
     report = audit([tmp_path])

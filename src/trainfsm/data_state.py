@@ -334,12 +334,14 @@ class DataCursor:
         self.epoch_rng: dict[str, Any] | None = None
         self.iterator: Iterator[Any] | None = None
         self._resume: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
+        self.saved = False  # state() was taken since the last fingerprint (``fingerprint_after_save``)
 
     def attach(self, loader: Iterable[Any], max_epochs: int | None, log: Any) -> None:
         self.loader, self.max_epochs, self.log = loader, max_epochs, log
 
     def state(self) -> dict[str, Any]:
         """This rank's data position (epoch, batches drawn, epoch random state, loader state)."""
+        self.saved = True  # a checkpoint takes it: the batch after it gets a fingerprint
         return capture(self.loader, self.epoch, self.batches, self.epoch_rng)
 
     def resume_later(self, mode: str, saved: dict[str, Any], rng_state: dict[str, Any] | None) -> None:
@@ -388,6 +390,13 @@ class DataCursor:
     def close(self) -> None:
         iterator, self.iterator = self.iterator, None
         close_iterator(iterator)
+
+    def fingerprint_after_save(self, step: int) -> None:
+        """Leaving CHECKPOINT for the next step: if a checkpoint took this rank's position, have the
+        next draw fingerprinted (``fingerprint_next``)."""
+        if self.saved:
+            self.saved = False
+            self.fingerprint_next("save", step)
 
     def fingerprint_next(self, after: str, step: int) -> None:
         """Have the next draw record a ``batch_fingerprint`` (``after``: ``"save"`` or ``"resume"``

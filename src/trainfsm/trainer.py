@@ -465,8 +465,8 @@ class BaseTrainer(fsm.Triggers):
         # The checkpoint hook saved in on_enter_checkpoint; leave for good or for the next step.
         run: Run = self._run  # type: ignore[assignment]
         trigger = fsm.checkpoint_trigger(self.exit_reason)
-        if trigger == "resume":  # the batch after the save: a resume from it must draw the same one
-            self._data.fingerprint_next("save", self.step)
+        if trigger == "resume":  # the batch after a save: a resume from it must draw the same one
+            self._data.fingerprint_after_save(self.step)
         return run.triggers[trigger]
 
     def _enter_exit(self) -> None:

@@ -247,8 +247,7 @@ def render(report: AuditReport) -> str:
         previous = attempt
     if report.ledger:
         lines.append("")
-        lines.append("data ledger:")
-        lines.extend(_at_most(f"  {line}" for line in report.ledger))
+        lines.extend(_ledger_text(report.ledger))
     if report.notes:
         lines.append("")
         lines.append("notes:")
@@ -265,6 +264,21 @@ def render(report: AuditReport) -> str:
 
 #: Lines a section of the text report shows; the rest are counted (``--json`` has them all).
 SECTION_LINES: Final = 20
+
+
+def _ledger_text(ledger: list[str]) -> list[str]:
+    """The data ledger for people: its one line inline; else the broken groups of ranks, then the
+    groups that drew each batch once (summed up past a few: ``--json`` lists each)."""
+    if len(ledger) == 1:
+        return [f"data ledger: {ledger[0]}"]
+    fine = [line for line in ledger if line.endswith(": each batch drawn once")]
+    broken = [line for line in ledger if not line.endswith(": each batch drawn once")]
+    lines = ["data ledger:", *_at_most((f"  {line}" for line in broken), limit=10)]
+    if len(fine) <= 3:
+        lines.extend(f"  {line}" for line in fine)
+    else:
+        lines.append(f"  each batch drawn once on the other {len(fine)} groups of ranks (--json lists each)")
+    return lines
 
 
 def _at_most(lines: Iterable[str], limit: int = SECTION_LINES) -> list[str]:
