@@ -45,6 +45,15 @@ class BackgroundSaves(Generic[Result]):
     def in_flight(self) -> bool:
         return self._inflight is not None
 
+    def start(self, world_size: int, sharded: bool) -> None:
+        """Start the writer thread now, and for sharded saves on several ranks make their process
+        group (collective: every rank calls this in RESTORE), so that the first save does neither."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-async-save")
+            self._writer.submit(lambda: None).result()  # a pool starts its thread at its first task
+        if sharded:
+            self.process_group(world_size)
+
     def submit(
         self,
         started: float,

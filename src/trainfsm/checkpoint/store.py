@@ -154,14 +154,15 @@ class CheckpointStore:
         """Do now what a first save would otherwise do once, inside the step path; seconds taken (a
         no-op once done). ``CheckpointingHook`` calls it in RESTORE.
 
-        That is: the writer's I/O thread and staging buffers (24 MiB, touched page by page), the
-        checksum's and torch's serializer's imports (``rehearse``), and the way of writing (``mode``:
-        measured on this file system, which also starts the I/O thread, or forced). The root is made
-        for the measurement and removed again if it stays empty.
+        That is: the writer's I/O thread (started) and staging buffers (24 MiB, touched page by
+        page), the checksum's and torch's serializer's imports (``rehearse``), and the way of writing
+        (``mode``: measured on this file system, or forced). The root is made for the measurement
+        and removed again if it stays empty.
         """
         started = time.perf_counter()
         if self._io is None or self._staging is None:
             self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="trainfsm-ckpt-io")
+            self._io.submit(lambda: None).result()  # a pool starts its thread at its first task
             self._staging = Staging()
             digest(self.checksum)  # imports xxhash
             rehearse()

@@ -127,6 +127,8 @@ class CheckpointingHook(BaseHook):
         self._saver = Saver(store, self.keep_previous, self.checksum, self._background if self.async_save else None)
         current = model_shapes(trainer)
         self.saves_sharded = saves_sharded(trainer, current, self.sharded)
+        if self.async_save:  # its writer thread (and group) now, not in the first save
+            self._background.start(trainer.world_size, self.saves_sharded)
         if self.load is not None:
             loaded = restore(trainer, store, self.load, self.data_resume, current)
             if loaded is not None:
