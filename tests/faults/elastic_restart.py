@@ -34,6 +34,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.distributed.launch import ROOT, events, free_port
+from tests.helpers import ledger_problem
 
 HERE = Path(__file__).resolve()
 STEPS, INTERVAL, STEP_SECONDS = 40, 10, 0.03
@@ -204,7 +205,7 @@ def trial(
         return f"the audit does not show the restart and how attempt 0 ended:\n{text}"
     if "(torchrun restart 1)" not in trace.render(trace.trace([workspace])):
         return "the trace does not name the restart"
-    return ""
+    return ledger_problem(workspace)
 
 
 def run_trials(

@@ -51,6 +51,7 @@ if __package__ in (None, ""):
 
 from tests.distributed.launch import ROOT, alive, events, free_port
 from tests.faults.elastic_restart import workers as children
+from tests.helpers import ledger_problem
 
 EXAMPLE = ROOT / "examples" / "ddp.py"
 #: torchrun's default forwarded signals plus SIGUSR1 (SLURM's usual warning), as the guide says.
@@ -267,7 +268,7 @@ def kill_trial(
     story = trace.render(trace.trace([agents.workspace]))
     if f"cause: killed: rank {rank} in " not in story:
         return f"the trace does not name the killed rank {rank}:\n{story}"
-    return ""
+    return ledger_problem(agents.workspace)
 
 
 def startup_trial(
@@ -303,7 +304,7 @@ def startup_trial(
     # One number on every rank; 1 again when the kill came before rank 0 had taken one.
     if len(set(groups.values())) != 1:
         return f"the completed attempt's groups per rank: {groups}, expected one group"
-    return ""
+    return ledger_problem(agents.workspace)
 
 
 def worker_rank(pid: int) -> int:
@@ -355,7 +356,7 @@ def signal_trial(
         return f"the relaunch loaded {loaded}, expected step {step}"
     if not same(torch.load(agents.workspace / "final.pt"), expected):
         return "final parameters differ from the uninterrupted run"
-    return ""
+    return ledger_problem(agents.workspace)
 
 
 def lose_trial(
@@ -395,7 +396,7 @@ def lose_trial(
         return f"the relaunch loaded {loaded}, expected the newest complete checkpoint {newest}"
     if not same(torch.load(agents.workspace / "final.pt"), expected):
         return "final parameters differ from the uninterrupted run"
-    return ""
+    return ledger_problem(agents.workspace)
 
 
 TRIALS = {"kill": kill_trial, "startup": startup_trial, "signal": signal_trial, "lose": lose_trial}
