@@ -144,3 +144,22 @@ def test_an_old_trail_without_ledger_fields_audits_and_says_the_ledger_is_not_ch
         "trainfsm",
     ]
     assert report.ledger == ["rank 0: attempt 0: not checked; attempt 1: not checked: each batch drawn once"]
+
+
+def test_an_older_checkpoint_copied_under_a_newer_name_is_refused_and_the_ledger_names_the_save_used(
+    tmp_path: Path,
+) -> None:
+    launch(tmp_path, "--kill-at", "10", expect=-9)
+    shutil.rmtree(tmp_path / "checkpoints" / "8")
+    shutil.copytree(tmp_path / "checkpoints" / "4", tmp_path / "checkpoints" / "8")  # step 4's files, named 8
+    launch(tmp_path)
+    events = read_events(tmp_path)
+    assert [e["path"] for e in events if e["event"] == "checkpoint_skipped"] == [str(tmp_path / "checkpoints" / "8")]
+    report = audit.audit([tmp_path])
+    assert ledger_breaks_of(tmp_path) == []
+    (line,) = report.ledger
+    assert line.startswith(
+        "rank 0: attempt 0: epoch 0 batch 0 -> epoch 0 batch 4, saved at step 4 (drew on to epoch 0 batch 9: not kept) "
+        "(steps 1-8); attempt 1: epoch 0 batch 4 -> "
+    )
+    assert line.endswith(": each batch drawn once")
