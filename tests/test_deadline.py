@@ -1,6 +1,6 @@
 """The job's end (issue 34, items 3 and 4) in one process: the ``job_end_margin`` option, the job's
 end read from SLURM, and the trainer leaving by the preemption's path before it. Here SLURM is a
-stand-in ``scontrol`` on PATH (``FakeSlurm``) that answers with an end time the test sets; the real
+stand-in ``scontrol`` on PATH (``tests.fake_slurm``) that answers with an end time the test sets; the real
 cluster runs the same in tests/slurm/test_job_end.py."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fake_slurm import FakeSlurm
 from tests.helpers import TinyTrainer, read_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
 from trainfsm.preemption import deadline
@@ -23,49 +24,6 @@ from trainfsm.preemption.deadline import AUTO_MARGIN_FLOOR, AUTO_MARGIN_SHARE, E
 from trainfsm.preemption.signals import DEADLINE, SignalWatcher
 from trainfsm.preemption.slurm import parse_end_time
 from trainfsm.tools import audit
-
-SCONTROL = """#!/bin/sh
-# A stand-in for SLURM's scontrol: "show job -o ID" prints EndTime from $FAKE_SLURM/end (epoch seconds
-# when SLURM_TIME_FORMAT=%s, else SLURM's default local time), "requeue ID" is logged. Every call too.
-echo "$SLURM_TIME_FORMAT|$*" >>"$FAKE_SLURM/calls"
-case "$1" in
-show)
-  end=$(cat "$FAKE_SLURM/end")
-  [ "$SLURM_TIME_FORMAT" = "%s" ] || end=$(date -d "@$end" +%Y-%m-%dT%H:%M:%S)
-  echo "JobId=$4 JobName=fake JobState=RUNNING BatchFlag=1 TimeLimit=00:01:00 StartTime=0 EndTime=$end"
-  ;;
-requeue) echo "$2" >>"$FAKE_SLURM/requeued" ;;
-esac
-"""
-
-
-class FakeSlurm:
-    """A SLURM batch job 4242 for this process: SLURM_JOB_ID and an ``scontrol`` on PATH."""
-
-    def __init__(self, directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.dir = directory
-        (directory / "bin").mkdir(parents=True)
-        scontrol = directory / "bin" / "scontrol"
-        scontrol.write_text(SCONTROL)
-        scontrol.chmod(0o755)
-        monkeypatch.setenv("PATH", f"{directory / 'bin'}:{os.environ['PATH']}")
-        monkeypatch.setenv("FAKE_SLURM", str(directory))
-        monkeypatch.setenv("SLURM_JOB_ID", "4242")
-        monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-
-    def end_in(self, seconds: float) -> float:
-        """The job ends ``seconds`` from now (whole seconds, as SLURM says it); returns the end."""
-        end = math.floor(time.time() + seconds)
-        (self.dir / "end").write_text(str(end))
-        return float(end)
-
-    def calls(self) -> list[str]:
-        path = self.dir / "calls"
-        return path.read_text().splitlines() if path.exists() else []
-
-    def requeued(self) -> list[str]:
-        path = self.dir / "requeued"
-        return path.read_text().splitlines() if path.exists() else []
 
 
 class Slow(BaseHook):
@@ -259,8 +217,7 @@ def test_the_job_end_read_after_a_signal_is_the_one_audit_measures_the_margin_ag
     moved: list[float] = []
 
     def preempt() -> None:
-        moved.append(float(math.floor(time.time())))  # SLURM's ends are whole seconds
-        (fake_slurm.dir / "end").write_text(str(int(moved[0])))
+        moved.append(fake_slurm.end_at(time.time()))
         os.kill(os.getpid(), signal.SIGUSR1)
 
     with pytest.raises(SystemExit) as info:

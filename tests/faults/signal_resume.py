@@ -14,7 +14,9 @@ when every signalled run ended as the rule says:
 - SIGINT before the hook's policy exists: Python's own KeyboardInterrupt, as without trainfsm
   (the process ends with SIGINT; its trail says ``interrupted``, code 130, as a shell would);
 
-and the final parameters are bitwise equal to an uninterrupted run's.
+and the final parameters are bitwise equal to an uninterrupted run's. ``trainfsm audit`` must time
+every preemption (signal to step finished, ranks agreed, checkpoint durable, exit; under SLURM also
+the margin before the job's end): each trial's line ends with those figures.
 
     python tests/faults/signal_resume.py --trials 200 --signal-names TERM
 
@@ -77,10 +79,38 @@ def trial(
     ledger = ledger_problem(workspace)
     if ledger:
         return False, ledger, sent
+    missing, timings = preemption_timings(workspace)
+    if missing:
+        return False, missing, sent
     final = torch.load(out)
     if not all(torch.equal(a, b) for a, b in zip(final, ref.parameters, strict=True)):
         return False, "final parameters differ from the uninterrupted run", sent
-    return True, f"{sent} signals: {', '.join(where)}", sent
+    return True, f"{sent} signals: {', '.join(where)}; preemptions: {'; '.join(timings) or 'none'}", sent
+
+
+def preemption_timings(workspace: Path) -> tuple[str, list[str]]:
+    """("" or what is missing, a short text per preemption) from ``trainfsm audit``'s timing of each
+    preempted attempt: a preemption during training has a durable checkpoint and an exit, one in
+    BUILD or RESTORE an exit; the margin before the job's end where SLURM gave one."""
+    from trainfsm.tools import audit
+
+    texts = []
+    for attempt in audit.audit([workspace]).attempts:
+        if (attempt.first.exit or {}).get("reason") != "preempted":
+            continue
+        timing = attempt.as_dict()["preemption"]
+        if timing is None or timing["exit"] is None:
+            return f"attempt {attempt.attempt} was preempted, but the audit did not time it: {timing}", texts
+        if timing["agreed_step"] is not None and timing["durable"] is None:
+            return f"attempt {attempt.attempt}: no durable checkpoint in the audit's timing: {timing}", texts
+        text = f"{timing['signal']} at step {timing['at_step']}:"
+        if timing["durable"] is not None:
+            text += f" durable +{timing['durable']:.2f} s,"
+        text += f" exit +{timing['exit']:.2f} s"
+        if timing["margin"] is not None:
+            text += f", margin {timing['margin']:.1f} s"
+        texts.append(text)
+    return "", texts
 
 
 def _judge(mine: list[dict[str, Any]], sig: signal.Signals, code: int) -> tuple[str, str]:
