@@ -126,3 +126,25 @@ def test_background_saves_start_their_thread_and_sharded_group_when_asked(monkey
     one.start(world_size=1, sharded=True)  # one rank: no collective to keep apart
     one.close()
     assert len(groups) == 1
+
+
+def test_an_asynchronous_save_copies_into_the_last_saves_cpu_tensors(tmp_path: Path) -> None:
+    # Fresh CPU memory at every save would be page-faulted anew by the writer thread's copies,
+    # and the next optimizer step waits for those copies.
+    from tests.helpers import TinyTrainer, read_events
+    from trainfsm import BaseHook, CheckpointingHook
+
+    staged: list[list[int]] = []
+
+    class Look(BaseHook):
+        def on_enter_checkpoint(self, trainer: Any) -> None:
+            staged.append([t.data_ptr() for t in hook._background.spare])
+
+    hook = CheckpointingHook(interval=1, async_save=True)
+    TinyTrainer(max_steps=4, workspace=tmp_path, hooks=[hook, Look()]).train()
+    # Linear(3, 1)'s weight and bias (SGD keeps no state) and the random streams' tensors, staged
+    # by the first save and copied into by each later one
+    assert len(staged) == 4 and len(staged[0]) >= 2
+    assert staged[1:] == staged[:1] * 3
+    saved = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_saved"]
+    assert [e["saved_step"] for e in saved] == [1, 2, 3, 4]

@@ -12,6 +12,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None)})
+
 
 def map_nested_tensor(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """Apply ``f`` to every tensor in nested dicts, lists, tuples and named tuples.
@@ -30,6 +32,8 @@ def map_nested_tensor(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
             return out
         except (TypeError, AttributeError):  # a read-only mapping: a plain dict instead
             return mapped
+    if type(obj) is tuple and all(type(value) in _PLAIN for value in obj):
+        return obj  # nothing to map, and immutable: Python's RNG state (625 ints) in every checkpoint
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(map_nested_tensor(f, value) for value in obj))
     if isinstance(obj, (list, tuple)):

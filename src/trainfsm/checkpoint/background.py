@@ -4,6 +4,9 @@ background while training goes on.
 ``stage`` makes a private CPU copy of what a save writes: what a forward pass may change in place at
 once, the rest (parameters, optimizer and hook state) on the writer thread while the next step
 runs, until its optimizer step, which waits for those copies (``BackgroundSaves.wait_staged``).
+The CPU tensors of one save are kept for the next (``BackgroundSaves.spare``), which copies into
+them: memory touched once, not page-faulted anew at every save (one CPU copy of the state stays
+allocated between saves).
 ``BackgroundSaves`` runs the writes on one thread, at most one in flight; ``settle`` reports a
 finished one and raises for a failed one. A sharded save's collectives run over a gloo group of its
 own (``process_group``), so that they never pair with the training's on the main thread.
@@ -40,6 +43,9 @@ class BackgroundSaves(Generic[Result]):
         self._staging: threading.Event | None = None  # set once the copies of the save in flight are made
         self._blocked = 0.0  # how long the loop waited for the save in flight
         self._group: Any = None  # the process group of background sharded saves (made at the first)
+        #: The CPU tensors the last save was staged into, for the next save to copy into again: it
+        #: starts only once the last one settled, so nothing reads them any more.
+        self.spare: list[torch.Tensor] = []
 
     @property
     def in_flight(self) -> bool:
@@ -66,6 +72,7 @@ class BackgroundSaves(Generic[Result]):
         ``started``, and is blocked again before the next optimizer step until the copies are made."""
         self._blocked = time.perf_counter() - started
         self._staging = threading.Event()
+        self.spare = [target for _, target in copies]
         self._inflight_sharded = sharded
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-async-save")
@@ -147,22 +154,32 @@ def _copy_then(
     return write()
 
 
-def stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+def stage(
+    parts: dict[str, Any], trainer: BaseTrainer, spare: list[torch.Tensor] | None = None
+) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
     """A private CPU copy of ``parts`` for the background writer, and the copies still to make.
 
     What a forward pass may change in place (buffers such as BatchNorm's running statistics, and
     anything else that is not a parameter) is copied now. Parameters, optimizer state and hook
     state change only from the next ``optimizer.step()`` on, so they are copied on the writer
     thread while the next step's data loading, forward and backward run; ``on_before_optimizer_step``
-    waits for those copies.
+    waits for those copies. Those go into ``spare`` (the last save's tensors, in the same order)
+    where shape, dtype and strides match, so that a save of the same state allocates nothing.
     """
     model = trainer.model
     parameters = {local_part(p).data_ptr() for p in model.parameters()} if model is not None else set()
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    reuse = iter(spare or ())
 
     def later(tensor: torch.Tensor) -> torch.Tensor:
         local = local_part(tensor).detach()
-        target = torch.empty_like(local, device="cpu")
+        target = next(reuse, None)
+        if target is None or (target.shape, target.dtype, target.stride()) != (
+            local.shape,
+            local.dtype,
+            local.stride(),
+        ):
+            target = torch.empty_like(local, device="cpu")
         copies.append((local, target))
         return _shaped_like(tensor, target)
 
@@ -177,6 +194,10 @@ def stage(parts: dict[str, Any], trainer: BaseTrainer) -> tuple[Any, list[tuple[
         for part, value in parts.items()
     }
     return staged, copies
+
+
+def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return tensor.shape, tensor.dtype, tensor.stride()
 
 
 def _shaped_like(original: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -101,7 +101,7 @@ class Saver:
             )
             step = trainer.step
             if self.background is not None:
-                staged, copies = stage(parts, trainer)
+                staged, copies = stage(parts, trainer, self.background.spare)
                 self.background.submit(started, copies, lambda: (self._write(step, staged, keep), None), sharded=False)
             else:
                 log_saved(trainer, self._write(step, parts, keep), blocked=None)
@@ -145,7 +145,7 @@ class Saver:
                 log_saved(trainer, saved, blocked=None, world=world)
             return
         group = self.background.process_group(world)  # collective: every rank is here, at the same save
-        staged, copies = stage(state, trainer)
+        staged, copies = stage(state, trainer, self.background.spare)
 
         def write() -> SaveResult:
             return self._write_sharded(job, staged, time.perf_counter(), group), world

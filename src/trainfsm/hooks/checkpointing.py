@@ -42,7 +42,8 @@ class CheckpointingHook(BaseHook):
     ``data_resume`` says how the data iterator gets back to where it was (see ``trainfsm.data_state``).
     ``async_save`` stages the state to CPU memory and writes it on a background thread while
     training goes on: at most one save in flight, a failure raises at the next step or at EXIT, and
-    EXIT waits until the last save is durable.
+    EXIT waits until the last save is durable. The CPU copy is kept from one save to the next, which
+    copies into it again (one copy of the state stays in host memory from the first save on).
 
     ``sharded`` says how a model state split over ranks (FSDP2 ``fully_shard`` with the default
     ``state_dict_options``) is saved: ``"auto"`` (default) writes a sharded checkpoint exactly then,
@@ -53,7 +54,7 @@ class CheckpointingHook(BaseHook):
     only once every rank's files are durable, so the ranks must share one filesystem. Loading
     follows the checkpoint, whatever ``sharded`` says; a sharded one loads on any world size (DCP
     reshards). With ``async_save`` every rank copies its shards to CPU memory and writes them on its
-    background thread, over a gloo process group the hook makes for that at its first save (so a
+    background thread, over a gloo process group the hook makes for that in RESTORE (so a
     sharded ``async_save`` needs every rank to save at the same steps, as it does anyway); a
     failed sharded save raises on every rank at the next checkpoint or at EXIT.
 
@@ -62,7 +63,7 @@ class CheckpointingHook(BaseHook):
     data can do) or ``"sha256"``. Loading verifies with whichever one a checkpoint's manifest names.
 
     ``direct_io``: how checkpoint files reach the disk. ``"auto"`` (default) measures both ways on
-    the checkpoint's file system in RESTORE (a probe of 64 MiB, re-checked every ten minutes after a
+    the checkpoint's file system in RESTORE (a probe of 128 MiB, re-checked every ten minutes after a
     save) and uses the faster; ``False`` forces the page cache, each 4 MiB's writeback started as
     soon as it is written and the pages dropped after the fsync; ``True`` forces ``O_DIRECT`` (past
     the page cache). Where the file system refuses ``O_DIRECT`` the files go through the page cache.
