@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -263,3 +264,35 @@ def test_outside_slurm_nothing_is_read_and_no_deadline_is_armed(
     [agreed] = [e for e in events if e["event"] == "signal_agreed"]
     assert agreed["reason"] == "signal" and agreed["step_ended_at"] <= agreed["ts"]
     assert fake.calls() == []
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+def test_with_two_ranks_rank_0s_deadline_reaches_rank_1_through_the_step_agreement(
+    tmp_path: Path, fake_slurm: FakeSlurm
+) -> None:
+    """Two gloo ranks in a SLURM job whose end comes before their work is done; no signal. Only
+    rank 0 asks SLURM (once at the start, once after the deadline) and decides; the step-end
+    all-reduce carries the pending "signal" with its deadline bit, so both ranks agree on the same
+    step with reason ``deadline``, rank 0 saves and requeues, both exit 138."""
+    from tests.faults.two_ranks import events, scenario
+
+    end = fake_slurm.end_in(14.0)
+    result = scenario(tmp_path / "run", timeout=60, slurm_env={"SLURM_JOB_ID": "4242"})
+    assert not result["hung"] and result["codes"] == {0: 138, 1: 138}, result["stderr"]
+    trails = {rank: events(tmp_path / "run", rank) for rank in (0, 1)}
+    assert trails[0][0]["slurm"]["end_time"] == end and trails[1][0]["slurm"]["end_time"] is None
+    [made] = [e for e in trails[0] if e["event"] == "deadline"]
+    assert made["steps"] == 2 and not [e for e in trails[1] if e["event"] == "deadline"]
+    agreed = {rank: [e for e in trails[rank] if e["event"] == "signal_agreed"] for rank in (0, 1)}
+    assert [(e["agreed_step"], e["reason"], e["signal"]) for e in agreed[0]] == [(made["step"], "deadline", "SIGUSR1")]
+    assert [(e["agreed_step"], e["reason"]) for e in agreed[1]] == [(made["step"], "deadline")]
+    assert agreed[1][0]["step_ended_at"] is None  # nothing was pending on rank 1 itself
+    assert [e["saved_step"] for e in trails[0] if e["event"] == "checkpoint_saved"] == [made["step"]]
+    assert [c for c in fake_slurm.calls() if c.startswith("%s|")] == ["%s|show job -o 4242"] * 2
+    assert fake_slurm.requeued() == ["4242"]
+    assert max(trails[rank][-1]["ts"] for rank in (0, 1)) < end
+    report = audit.audit([tmp_path / "run"])
+    assert report.consistent and report.ended_well, (report.problems, report.run_problems)
+    timing = report.attempts[0].as_dict()["preemption"]
+    assert timing["cause"] == "deadline" and timing["margin"] > 0

@@ -3,6 +3,10 @@ step and exit with 138, and neither may hang. Used by tests/test_distributed_sig
 
     python tests/faults/two_ranks.py --workspace /tmp/two   # runs the scenario and prints a summary
     python tests/faults/two_ranks.py --workspace /tmp/two --fsdp-async   # FSDP2, async sharded saves
+
+With ``scenario(..., slurm_env=...)`` no signal is sent: the ranks run in a SLURM job (that
+environment: a stand-in scontrol, tests/fake_slurm.py) whose end comes before the work is done, and
+rank 0's deadline must stop both (``job_end_margin=1``). Used by tests/test_deadline.py.
 """
 
 from __future__ import annotations
@@ -23,7 +27,15 @@ from typing import Any
 HERE = Path(__file__).resolve()
 
 
-def child(rank: int, world: int, port: int, workspace: Path, agree: bool = False, fsdp_async: bool = False) -> None:
+def child(
+    rank: int,
+    world: int,
+    port: int,
+    workspace: Path,
+    agree: bool = False,
+    fsdp_async: bool = False,
+    job_end_margin: float | None = None,
+) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -60,7 +72,10 @@ def child(rank: int, world: int, port: int, workspace: Path, agree: bool = False
             return nn.functional.mse_loss(self.model(x), y), {}  # type: ignore[misc]
 
     try:
-        Trainer(max_steps=500, workspace=workspace, device="cpu", loss_none_agreement=agree).train()
+        margin = "auto" if job_end_margin is None else job_end_margin
+        Trainer(
+            max_steps=500, workspace=workspace, device="cpu", loss_none_agreement=agree, job_end_margin=margin
+        ).train()
     except SystemExit:
         dist.barrier()  # both ranks leave together: gloo may abort a rank whose peer tore down first
         raise
@@ -84,13 +99,21 @@ def events(workspace: Path, rank: int) -> list[dict[str, Any]]:
         return []
 
 
-def scenario(workspace: Path, timeout: float = 90.0, agree: bool = False, fsdp_async: bool = False) -> dict[str, Any]:
+def scenario(
+    workspace: Path,
+    timeout: float = 90.0,
+    agree: bool = False,
+    fsdp_async: bool = False,
+    slurm_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Run it; returns exit codes per rank, and which ranks hung (killed after ``timeout``).
     ``agree``: ``loss_none_agreement=True``, so the signal rides on the per-micro-batch agreement.
     ``fsdp_async``: an FSDP2 model and ``async_save``, so the checkpoint is sharded and written on
-    each rank's writer thread (EXIT must wait for it)."""
+    each rank's writer thread (EXIT must wait for it). ``slurm_env``: run in that SLURM job
+    environment and send no signal: the job's end must stop the ranks."""
     port = _free_port()
     extra = (["--agree"] if agree else []) + (["--fsdp-async"] if fsdp_async else [])
+    extra += ["--job-end-margin", "1"] if slurm_env is not None else []
     procs = [
         subprocess.Popen(
             [
@@ -106,6 +129,7 @@ def scenario(workspace: Path, timeout: float = 90.0, agree: bool = False, fsdp_a
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            env={**os.environ, **(slurm_env or {})},
         )
         for rank in range(2)
     ]
@@ -116,7 +140,8 @@ def scenario(workspace: Path, timeout: float = 90.0, agree: bool = False, fsdp_a
         time.sleep(0.05)
     time.sleep(0.5)
     signalled_at = time.monotonic()
-    procs[1].send_signal(signal.SIGUSR1)
+    if slurm_env is None:
+        procs[1].send_signal(signal.SIGUSR1)
     codes: dict[int, int | None] = {}
     hung = []
     for rank, proc in enumerate(procs):
@@ -139,10 +164,11 @@ def main() -> None:
     parser.add_argument("--workspace", type=Path, required=True)
     parser.add_argument("--agree", action="store_true", help="loss_none_agreement=True")
     parser.add_argument("--fsdp-async", action="store_true", help="FSDP2 and async sharded saves")
+    parser.add_argument("--job-end-margin", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        child(args.child, 2, args.port, args.workspace, args.agree, args.fsdp_async)
+        child(args.child, 2, args.port, args.workspace, args.agree, args.fsdp_async, args.job_end_margin)
         return
     result = scenario(args.workspace, agree=args.agree, fsdp_async=args.fsdp_async)
     print(json.dumps({k: v for k, v in result.items() if k != "stderr"}))
