@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,12 +48,23 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def submit(cluster: SlurmCluster, tmp_path: Path, time_limit: str, *args: str) -> tuple[str, Path]:
-    workspace, script = tmp_path / "run", tmp_path / "job.sbatch"
-    script.write_text(JOB)
-    env = {"PYTHON": sys.executable, "WORKSPACE": str(workspace)}
-    options = [f"--time={time_limit}", "--chdir", str(ROOT), "--output", str(tmp_path / "slurm-%j.out")]
-    return cluster.sbatch(script, *args, options=options, env=env), workspace
+@pytest.fixture
+def submit(slurm_cluster: SlurmCluster, tmp_path: Path) -> Iterator[Callable[..., tuple[str, Path]]]:
+    """``submit(TIME_LIMIT, *ARGS)``: the example's training as a batch job with that ``--time``;
+    returns the job id and its workspace. A job still there when the test ends is cancelled."""
+    jobs: list[str] = []
+
+    def start(time_limit: str, *args: str) -> tuple[str, Path]:
+        workspace, script = tmp_path / "run", tmp_path / "job.sbatch"
+        script.write_text(JOB)
+        env = {"PYTHON": sys.executable, "WORKSPACE": str(workspace)}
+        options = [f"--time={time_limit}", "--chdir", str(ROOT), "--output", str(tmp_path / "slurm-%j.out")]
+        jobs.append(slurm_cluster.sbatch(script, *args, options=options, env=env))
+        return jobs[-1], workspace
+
+    yield start
+    for job_id in jobs:
+        slurm_cluster.run("scancel", job_id, check=False)
 
 
 def end_time(cluster: SlurmCluster, job_id: str) -> float:
@@ -69,12 +81,23 @@ def audit(workspace: Path, *options: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*argv, "audit", *options, str(workspace)], capture_output=True, text=True, timeout=120)
 
 
-def uninterrupted(tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
-    """The same training outside SLURM, started now (it sleeps most of its time: it may overlap the job)."""
-    straight = tmp_path / "straight"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    command = [sys.executable, str(TRAIN), "--workspace", str(straight), *args]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+@pytest.fixture
+def uninterrupted(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start the same training outside SLURM (it sleeps most of its time: it may overlap the job);
+    a run still going when the test ends is killed."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str) -> subprocess.Popen[bytes]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        command = [sys.executable, str(TRAIN), "--workspace", str(tmp_path / "straight"), *args]
+        started.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        return started[-1]
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def same_parameters(workspace: Path, straight: subprocess.Popen[bytes], tmp_path: Path) -> bool:
@@ -85,7 +108,10 @@ def same_parameters(workspace: Path, straight: subprocess.Popen[bytes], tmp_path
 
 
 def test_a_job_preempted_twice_has_both_preemptions_timed_with_the_margin_before_the_jobs_end(
-    slurm_cluster: SlurmCluster, tmp_path: Path
+    slurm_cluster: SlurmCluster,
+    tmp_path: Path,
+    uninterrupted: Callable[..., subprocess.Popen[bytes]],
+    submit: Callable[..., tuple[str, Path]],
 ) -> None:
     """``scancel --batch --signal=USR1`` in two attempts of a job with a 5-minute limit. Each attempt's
     rank 0 reads the job's end from SLURM at ``run_start`` and again after the signal (``job_end``);
@@ -93,8 +119,8 @@ def test_a_job_preempted_twice_has_both_preemptions_timed_with_the_margin_before
     checkpoint durable and the exit in seconds after the signal, and the margin left before the
     job's end, which is the EndTime SLURM showed when the signal was sent."""
     args = ("--steps", "120", "--interval", "1000", "--step-seconds", "0.05")
-    straight = uninterrupted(tmp_path, *args)
-    job_id, workspace = submit(slurm_cluster, tmp_path, "5", *args)
+    straight = uninterrupted(*args)
+    job_id, workspace = submit("5", *args)
     ends = []
     for attempt in (0, 1):
         wait_for(
@@ -155,7 +181,10 @@ def test_a_job_preempted_twice_has_both_preemptions_timed_with_the_margin_before
 
 @pytest.mark.slow
 def test_a_job_with_a_time_limit_and_no_signal_ends_each_attempt_by_its_own_deadline_and_completes(
-    slurm_cluster: SlurmCluster, tmp_path: Path
+    slurm_cluster: SlurmCluster,
+    tmp_path: Path,
+    uninterrupted: Callable[..., subprocess.Popen[bytes]],
+    submit: Callable[..., tuple[str, Path]],
 ) -> None:
     """``--time=1``, no ``--signal``, about 2.5 minutes of work. Every attempt but the last ends by
     the trainer's own deadline before SLURM's limit (``deadline``, ``signal_agreed`` reason deadline,
@@ -163,8 +192,8 @@ def test_a_job_with_a_time_limit_and_no_signal_ends_each_attempt_by_its_own_dead
     COMPLETED, never TIMEOUT, with the parameters of an uninterrupted run; the audit times each
     preemption and finds the trail consistent and the run ended well."""
     args = ("--steps", "3000", "--interval", "1000", "--step-seconds", "0.05")
-    straight = uninterrupted(tmp_path, *args)
-    job_id, workspace = submit(slurm_cluster, tmp_path, "1", *args)
+    straight = uninterrupted(*args)
+    job_id, workspace = submit("1", *args)
     job = slurm_cluster.wait_state(job_id, "COMPLETED", timeout=600)  # fails at once on TIMEOUT
     output = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
     trail = events(workspace)
