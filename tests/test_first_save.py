@@ -128,15 +128,19 @@ def test_background_saves_start_their_thread_and_sharded_group_when_asked(monkey
     assert len(groups) == 1
 
 
-def test_an_asynchronous_save_copies_into_the_last_saves_cpu_tensors(tmp_path: Path) -> None:
+def test_an_asynchronous_save_copies_into_the_cpu_tensors_restore_made_and_the_last_save_used(tmp_path: Path) -> None:
     # Fresh CPU memory at every save would be page-faulted anew by the writer thread's copies,
     # and the next optimizer step waits for those copies.
     from tests.helpers import TinyTrainer, read_events
     from trainfsm import BaseHook, CheckpointingHook
 
     staged: list[list[int]] = []
+    prestaged: list[int] = []
 
     class Look(BaseHook):
+        def on_before_train(self, trainer: Any) -> None:
+            prestaged.extend(t.data_ptr() for t in hook._background.spare)
+
         def on_enter_checkpoint(self, trainer: Any) -> None:
             staged.append([t.data_ptr() for t in hook._background.spare])
 
@@ -146,5 +150,6 @@ def test_an_asynchronous_save_copies_into_the_last_saves_cpu_tensors(tmp_path: P
     # by the first save and copied into by each later one
     assert len(staged) == 4 and len(staged[0]) >= 2
     assert staged[1:] == staged[:1] * 3
+    assert len(prestaged) == 2 and set(prestaged) <= set(staged[0])  # the parameters': made in RESTORE
     saved = [e for e in read_events(tmp_path) if e["event"] == "checkpoint_saved"]
     assert [e["saved_step"] for e in saved] == [1, 2, 3, 4]

@@ -5,8 +5,9 @@ background while training goes on.
 once, the rest (parameters, optimizer and hook state) on the writer thread while the next step
 runs, until its optimizer step, which waits for those copies (``BackgroundSaves.wait_staged``).
 The CPU tensors of one save are kept for the next (``BackgroundSaves.spare``), which copies into
-them: memory touched once, not page-faulted anew at every save (one CPU copy of the state stays
-allocated between saves).
+those of the same shape: memory touched once, not page-faulted anew at every save (one CPU copy of
+the state stays allocated between saves). RESTORE makes them for the parameters and whatever
+optimizer state exists then (``prestage``), so that the first save finds them too.
 ``BackgroundSaves`` runs the writes on one thread, at most one in flight; ``settle`` reports a
 finished one and raises for a failed one. A sharded save's collectives run over a gloo group of its
 own (``process_group``), so that they never pair with the training's on the main thread.
@@ -43,7 +44,7 @@ class BackgroundSaves(Generic[Result]):
         self._staging: threading.Event | None = None  # set once the copies of the save in flight are made
         self._blocked = 0.0  # how long the loop waited for the save in flight
         self._group: Any = None  # the process group of background sharded saves (made at the first)
-        #: The CPU tensors the last save was staged into, for the next save to copy into again: it
+        #: CPU tensors to stage the next save into (those of the last save, or ``prestage``'s): it
         #: starts only once the last one settled, so nothing reads them any more.
         self.spare: list[torch.Tensor] = []
 
@@ -59,6 +60,20 @@ class BackgroundSaves(Generic[Result]):
             self._writer.submit(lambda: None).result()  # a pool starts its thread at its first task
         if sharded:
             self.process_group(world_size)
+
+    def prestage(self, trainer: BaseTrainer, sharded: bool) -> None:
+        """Make and touch, in RESTORE, the CPU tensors the first save will stage its parameters and
+        optimizer state into (the optimizer's as far as it exists: after a resume, all of it): on
+        the rank that writes a full checkpoint, and on every rank for sharded ones. Not where
+        the saved tensors are whole and the parameters shards (a full state dict of FSDP)."""
+        model, optimizer = trainer.model, trainer.optimizer
+        if model is None or optimizer is None or not (sharded or trainer.rank == 0):
+            return
+        parameters = list(model.parameters())
+        if not sharded and any(hasattr(p, "placements") for p in parameters):
+            return
+        state = [t for entry in optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
+        self.spare = [torch.zeros_like(local_part(t).detach(), device="cpu") for t in parameters + state]
 
     def submit(
         self,
@@ -163,23 +178,20 @@ def stage(
     anything else that is not a parameter) is copied now. Parameters, optimizer state and hook
     state change only from the next ``optimizer.step()`` on, so they are copied on the writer
     thread while the next step's data loading, forward and backward run; ``on_before_optimizer_step``
-    waits for those copies. Those go into ``spare`` (the last save's tensors, in the same order)
-    where shape, dtype and strides match, so that a save of the same state allocates nothing.
+    waits for those copies. Those go into ``spare`` tensors of the same shape, dtype and strides
+    where there are any, so that a save of the same state allocates nothing.
     """
     model = trainer.model
     parameters = {local_part(p).data_ptr() for p in model.parameters()} if model is not None else set()
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    reuse = iter(spare or ())
+    pool: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    for tensor in reversed(spare or ()):  # popped in their order
+        pool.setdefault(_layout(tensor), []).append(tensor)
 
     def later(tensor: torch.Tensor) -> torch.Tensor:
         local = local_part(tensor).detach()
-        target = next(reuse, None)
-        if target is None or (target.shape, target.dtype, target.stride()) != (
-            local.shape,
-            local.dtype,
-            local.stride(),
-        ):
-            target = torch.empty_like(local, device="cpu")
+        same = pool.get(_layout(local))
+        target = same.pop() if same else torch.empty_like(local, device="cpu")
         copies.append((local, target))
         return _shaped_like(tensor, target)
 

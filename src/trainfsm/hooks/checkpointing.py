@@ -128,8 +128,6 @@ class CheckpointingHook(BaseHook):
         self._saver = Saver(store, self.keep_previous, self.checksum, self._background if self.async_save else None)
         current = model_shapes(trainer)
         self.saves_sharded = saves_sharded(trainer, current, self.sharded)
-        if self.async_save:  # its writer thread (and group) now, not in the first save
-            self._background.start(trainer.world_size, self.saves_sharded)
         if self.load is not None:
             loaded = restore(trainer, store, self.load, self.data_resume, current)
             if loaded is not None:
@@ -138,6 +136,9 @@ class CheckpointingHook(BaseHook):
         else:  # a fresh start asked for: the data ledger does not count it as lost work
             trainer.events.info("checkpoint_not_loaded", reason="load=None")
         refuse_foreign_ahead(trainer, store)
+        if self.async_save:  # its thread (and group) and CPU buffers now, not in the first save
+            self._background.start(trainer.world_size, self.saves_sharded)
+            self._background.prestage(trainer, self.saves_sharded)
 
     # ------------------------------------------------------------------ CHECKPOINT
     def wants_checkpoint(self, trainer: BaseTrainer) -> bool:
