@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from trainfsm import machine as fsm
 from trainfsm.trail.reader import Record
-from trainfsm.trail.schema import BY, EXIT_REASONS
+from trainfsm.trail.schema import BY, EVENT_FIELDS, EXIT_REASONS
 
 #: The machine's table as the trainer runs it: (trigger, source, dest) rows.
 _TABLE: Final = frozenset(fsm.transition_rows())
@@ -379,7 +379,9 @@ class Replay:
         )
 
     def _deadline(self, record: Record) -> None:
-        self.result.timing["deadline"] = dict(record.data)
+        data = record.data
+        figures = {key: data.get(key) for key in EVENT_FIELDS["deadline"]}
+        self.result.timing["deadline"] = {"step": record.step, **figures}
 
     def _job_end(self, record: Record) -> None:
         self.result.timing["job_end"] = {key: record.data.get(key) for key in ("end_time", "read_at", "after")}
