@@ -99,7 +99,7 @@ def test_a_preempted_run_and_its_resume_are_consistent(tmp_path: Path, capsys: p
         3,
         "STEP",
     )
-    assert first["signals"]["agreed"] == {"signal": "SIGUSR1", "step": 3}
+    assert first["signals"]["agreed"] == {"signal": "SIGUSR1", "step": 3, "reason": "signal"}
     assert [c["step"] for c in first["checkpoints"]["saved"]] == [3]
     assert (first["first_step"], first["last_step"], first["steps_done"]) == (1, 3, 3)
 

@@ -186,6 +186,10 @@ def test_the_trainer_leaves_by_the_preemption_path_before_the_jobs_end_and_resum
     )
     assert 0 <= timing["step_finished"] <= timing["agreed"] <= timing["durable"] <= timing["exit"]
     assert timing["job_end"] == end and timing["job_end_read"] == "signal" and timing["margin"] > 0
+    text = audit.render(report)  # no signal came: the report does not say one was received
+    assert (
+        f"  signals: none; the job's end near: agreed at step {agreed['agreed_step']} to leave as if by SIGTERM" in text
+    )
 
     fake_slurm.end_in(3600.0)
     second = trainer(workspace, steps=1000, slow=0.0, job_end_margin=0.25, stall_timeout=stall_timeout)

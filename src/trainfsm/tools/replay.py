@@ -371,7 +371,11 @@ class Replay:
         )
 
     def _signal_agreed(self, record: Record) -> None:
-        self.result.agreed = {"signal": record.data.get("signal"), "step": record.data.get("agreed_step")}
+        self.result.agreed = {
+            "signal": record.data.get("signal"),
+            "step": record.data.get("agreed_step"),
+            "reason": record.data.get("reason", "signal"),
+        }
         self.result.timing.update(
             agreed_at=record.ts,
             step_ended_at=record.data.get("step_ended_at"),

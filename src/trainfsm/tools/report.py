@@ -29,7 +29,7 @@ added)::
           "failed":  [{"type": str, "message": str}]},
         "signals": {
           "received": [{"rank": int, "signal": str, "at_step": int|null, "at_state": str|null, "ts": float}],
-          "agreed": {"signal": str, "step": int} | null},
+          "agreed": {"signal": str, "step": int, "reason": "signal" | "deadline"} | null},
         "preemption": {                       # null: not preempted (trainfsm.tools.preemption_timing)
           "cause": "signal" | "deadline",     # a signal, or the trainer's own deadline (the job's end)
           "signal": str | null, "at": float | null,   # epoch seconds of the signal (deadline: its decision)
@@ -393,7 +393,9 @@ def _render_signals(signals: dict[str, Any]) -> str:
     ]
     text = ", ".join(received) or "none"
     agreed = signals["agreed"]
-    if agreed is not None:
+    if agreed is not None and agreed.get("reason") == "deadline":  # no signal came: the trainer's own
+        text += f"; the job's end near: agreed at step {agreed['step']} to leave as if by {agreed['signal']}"
+    elif agreed is not None:
         text += f"; agreed {agreed['signal']} at step {agreed['step']}"
     return text
 
