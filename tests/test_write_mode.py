@@ -21,8 +21,11 @@ from trainfsm.checkpoint.store import CheckpointStore
 
 @pytest.fixture(autouse=True)
 def unmeasured(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test starts without the process's shared measurement."""
-    monkeypatch.setattr(writemode, "_measured", {})
+    """Every test starts without the process's shared probe."""
+    monkeypatch.setattr(writemode, "_probed", {})
+
+
+NO_SAVES = {"page_cache": None, "o_direct": None}
 
 
 def train(workspace: Path, steps: int = 4, **hook: Any) -> list[dict[str, Any]]:
@@ -69,16 +72,17 @@ def test_restore_measures_both_ways_and_the_trail_says_which_it_chose(
     size = writemode.PROBE_BYTES
     assert ways == [(False, size), (True, size), (True, size), (False, size)]
     (ready,) = named(events, "checkpoint_store_ready")
-    assert ready["state"] == "RESTORE"
-    rates = ready["rates"]
+    assert ready["state"] == "RESTORE" and ready["rates"]["saves"] == NO_SAVES
+    rates = ready["rates"]["probe"]
     if o_direct_works(tmp_path):
         assert ready["chosen_by"] == "measurement" and rates["page_cache"] > 0 and rates["o_direct"] > 0
         assert ready["direct_io"] == (rates["o_direct"] > rates["page_cache"])
     else:
         assert ready["chosen_by"] == "O_DIRECT refused" and rates["o_direct"] is None and not ready["direct_io"]
     saved = named(events, "checkpoint_saved")
+    # Saves of a few bytes say nothing of a way's rate (fixed costs): the probe's choice stands.
     assert [(e["direct_io"], e["chosen_by"], e["rates"]) for e in saved] == [
-        (ready["direct_io"], ready["chosen_by"], rates)
+        (ready["direct_io"], ready["chosen_by"], ready["rates"])
     ] * 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "latest"]  # no probe file left
 
@@ -92,7 +96,8 @@ def test_the_store_writes_the_way_measured_faster(tmp_path: Path, monkeypatch: p
     events = train(tmp_path)
     assert asked == [tmp_path / "checkpoints"]  # the checkpoint's own file system
     (ready,) = named(events, "checkpoint_store_ready")
-    assert (ready["direct_io"], ready["chosen_by"], ready["rates"]) == (faster == "o_direct", "measurement", rates)
+    expected = (faster == "o_direct", "measurement", {"probe": rates, "saves": NO_SAVES})
+    assert (ready["direct_io"], ready["chosen_by"], ready["rates"]) == expected
     assert [e["direct_io"] for e in named(events, "checkpoint_saved")] == [faster == "o_direct"] * 2
 
 
@@ -132,7 +137,7 @@ def test_where_o_direct_is_refused_the_files_go_through_the_page_cache(tmp_path:
     (ready,) = named(events, "checkpoint_store_ready")
     assert (ready["direct_io"], ready["chosen_by"]) == (False, "O_DIRECT refused")
     if setting == "auto":
-        assert ready["rates"]["o_direct"] is None and ready["rates"]["page_cache"] > 0
+        assert ready["rates"]["probe"]["o_direct"] is None and ready["rates"]["probe"]["page_cache"] > 0
     assert [e["direct_io"] for e in named(events, "checkpoint_saved")] == [False, False]
     resumed = TinyTrainer(max_steps=6, workspace=tmp_path, hooks=[CheckpointingHook(interval=2, direct_io=setting)])
     resumed.train()
@@ -156,11 +161,11 @@ def test_o_direct_refused_at_the_first_write_counts_as_refused(tmp_path: Path, m
     store = CheckpointStore(tmp_path / "checkpoints")
     store.prepare()
     assert store.mode is not None and (store.mode.direct, store.mode.chosen_by) == (False, "O_DIRECT refused")
-    assert store.mode.rates is not None and store.mode.rates["o_direct"] is None
+    assert store.mode.rates is not None and store.mode.rates["probe"]["o_direct"] is None
     store.close()
 
 
-def test_the_choice_is_rechecked_after_a_save_once_it_is_old(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_probe_is_rechecked_after_a_save_once_it_is_old(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = {"page_cache": 1.0, "o_direct": 2.0}
     within_noise = {"page_cache": 2.1, "o_direct": 2.0}  # faster, but not by SWITCH_MARGIN: no switch
     turned = {"page_cache": 3.0, "o_direct": 1.0}
@@ -173,7 +178,7 @@ def test_the_choice_is_rechecked_after_a_save_once_it_is_old(tmp_path: Path, mon
     monkeypatch.setattr(writemode, "RECHECK_SECONDS", 0.0)
     for step in range(1, 5):
         store.save(step, {"model": state}, keep=False)
-        seen.append((store.wrote_directly, store.written_with and store.written_with.rates))
+        seen.append((store.wrote_directly, store.written_with and store.written_with.rates["probe"]))
         store._mode.close()  # wait for the re-check the save started (in a run, the next save waits for it)
     store.close()
     assert len(asked) == 5  # RESTORE's probe, then one after each save
@@ -200,3 +205,60 @@ def test_measure_writes_through_the_stores_writer_and_leaves_nothing(tmp_path: P
     assert rates["page_cache"] is not None and rates["page_cache"] > 0
     assert (rates["o_direct"] is not None) == o_direct_works(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_saves_decide_once_they_are_measured_and_the_other_way_is_tried_when_its_probe_is_faster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A probe's small files flattered the page cache (as a host's write cache may); the saves tell.
+    fake_rates(monkeypatch, {"page_cache": 2.0, "o_direct": 1.5})
+    mode = writemode.WriteMode("CheckpointStore", "auto")
+    store = CheckpointStore(tmp_path, direct_io=False)
+    store.prepare()
+    assert store._io is not None and store._staging is not None
+    choice = mode.choose(tmp_path, store._io, store._staging)
+    store.close()
+    seen = [(choice.direct, choice.chosen_by)]
+    gb = 10**9
+    for direct, seconds in [(False, 1.0), (True, 0.5), (True, 0.55), (True, 0.52)]:  # 1.0, 2.0, 1.8, 1.9 GB/s
+        mode.after_save(direct, gb, seconds)
+        assert mode.choice is not None
+        seen.append((mode.choice.direct, mode.choice.chosen_by))
+    assert seen == [
+        (False, "measurement"),  # the probe: page cache 2.0 GB/s, O_DIRECT 1.5
+        (True, "trying the other way"),  # a save through the page cache: 1.0 GB/s, below O_DIRECT's probe
+        (True, "saves"),  # O_DIRECT saved 2.0 GB/s: faster than the page cache's save
+        (True, "saves"),
+        (True, "saves"),
+    ]
+    assert mode.choice is not None and mode.choice.rates == {
+        "probe": {"page_cache": 2.0, "o_direct": 1.5},
+        "saves": {"page_cache": 1.0, "o_direct": 1.923},
+    }
+    mode.after_save(True, gb, 0.25)  # 4 GB/s: the way in use stays
+    mode.after_save(False, gb, 0.5)  # a page cache save at 2.0 GB/s does not beat O_DIRECT's 4.0
+    assert mode.choice is not None and (mode.choice.direct, mode.choice.chosen_by) == (True, "saves")
+    # Saves too small to say anything of a way's rate (fixed costs) change nothing.
+    mode.after_save(False, writemode.RATED_BYTES - 1, 1.0)
+    assert mode.choice.rates is not None and mode.choice.rates["saves"]["page_cache"] == 2.0
+    # Saves RECHECK_SECONDS old no longer count: the probe decides again (the way in use keeps its
+    # place unless the other probed faster by SWITCH_MARGIN), and the saves after it tell again.
+    monkeypatch.setattr(writemode, "RECHECK_SECONDS", 0.0)
+    mode.after_save(True, gb, 0.25)
+    assert (mode.choice.direct, mode.choice.chosen_by, mode.choice.rates["saves"]) == (False, "measurement", NO_SAVES)
+
+
+def test_the_trail_shows_a_save_trying_the_other_way_and_the_saves_deciding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not o_direct_works(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    fake_rates(monkeypatch, {"page_cache": 10_000.0, "o_direct": 9_000.0})  # no real save is that fast
+    monkeypatch.setattr(writemode, "RATED_BYTES", 1)  # the tiny trainer's saves count
+    saved = named(train(tmp_path, steps=8), "checkpoint_saved")
+    assert [(e["direct_io"], e["chosen_by"]) for e in saved][:2] == [
+        (False, "measurement"),
+        (True, "trying the other way"),
+    ]
+    assert [e["chosen_by"] for e in saved[2:]] == ["saves", "saves"]
+    assert all(rate is not None and rate > 0 for rate in saved[2]["rates"]["saves"].values())

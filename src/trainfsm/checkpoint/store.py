@@ -243,6 +243,7 @@ class CheckpointStore:
         total = 0
         direct = True
         self.written_with = self._mode.choice
+        writing = time.perf_counter()
         for stem, obj in parts.items():
             writer = DurableWriter(
                 tmp / f"{stem}.pt",
@@ -259,6 +260,7 @@ class CheckpointStore:
                 raise
             total += writer.bytes
             direct = direct and writer.direct
+        self._mode.after_save(direct, total, time.perf_counter() - writing)  # how fast this way wrote them
         for relative, entry in (written or {}).items():
             file = tmp / relative
             size = file.stat().st_size if file.is_file() else None

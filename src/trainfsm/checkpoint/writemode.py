@@ -4,26 +4,34 @@ past it (``O_DIRECT``), measured on the checkpoint's own file system and chosen,
 Which way is faster depends on the storage, and on the same class of machine it changed: issue 14
 measured the page cache twice as fast as ``O_DIRECT`` (1 GB in 1.6 s against 3.2 s); a few months
 later, issue 35 measured the other way round (0.41 s per GB through the page cache, 0.27 s with
-``O_DIRECT``). So with ``direct_io="auto"`` (the default) the store measures:
+``O_DIRECT``), and on that disk the page cache was the faster for files of tens of MB and the
+slower for files of a GB. So with ``direct_io="auto"`` (the default) the store measures:
 
 - **a probe, in RESTORE** (``CheckpointStore.prepare``): ``PROBE_FILES`` files of ``PROBE_BYTES``
   each way, in the order page cache, ``O_DIRECT``, ``O_DIRECT``, page cache (so that a disk
   speeding up or slowing down meanwhile favours neither), each written by the store's own writer
   (its staging buffers and I/O thread, a checksum on the way) and fsynced, then deleted. A way's
-  rate is its bytes over its seconds, fsyncs included; the faster way is used. The probe files are
-  named like a save's temporary directory, so a crash that leaves one is cleaned up in RESTORE;
-- **a re-check, now and then**: once ``RECHECK_SECONDS`` have passed since the last measurement,
-  the probe runs again on a thread of its own after a save, holding the store's save lock (a save
-  that comes meanwhile waits for it); the store switches only when the other way is faster by more
-  than ``SWITCH_MARGIN``, so noise does not flip it back and forth;
-- **shared**: one measurement per file system (``st_dev``) and process, while it is fresh: the
-  stores of a process on one disk do not probe it one after the other.
+  rate is its bytes over its seconds, fsyncs included. The first save is written the way that
+  probed faster. The probe files are named like a save's temporary directory, so a crash that
+  leaves one is cleaned up in RESTORE;
+- **the saves themselves**: each save of ``RATED_BYTES`` or more gives the rate of the way it was
+  written (its files' bytes over the seconds from serializing the first to the fsync of the last).
+  When that is below the other way's probe, the next save tries the other way; once saves of both
+  ways are known, the faster of them is used. A save's rate is what counts: a probe's small files
+  may flatter a way that a large checkpoint does not;
+- **a re-check, now and then**: saves' rates count for ``RECHECK_SECONDS``, and the probe runs
+  again on a thread of its own after a save once it is that old, holding the store's save lock (a
+  save that comes meanwhile waits for it). A way in use is left only for one faster by more than
+  ``SWITCH_MARGIN``, so that noise does not flip it back and forth;
+- **shared**: one probe per file system (``st_dev``) and process, while it is fresh: the stores of
+  a process on one disk do not probe it one after the other.
 
 ``direct_io=True`` or ``False`` forces a way and nothing is measured. Where the file system refuses
 ``O_DIRECT`` (tmpfs, some network or FUSE file systems: at ``open`` or at the first write) the store
 writes through the page cache, and says so (``chosen_by="O_DIRECT refused"``). Each choice is in
 the trail: ``checkpoint_store_ready`` and every ``checkpoint_saved`` carry ``direct_io``,
-``chosen_by`` and ``rates`` (GB/s each way, as measured; null when forced).
+``chosen_by`` and ``rates`` (GB/s, ``probe`` and ``saves``, each ``page_cache`` and ``o_direct``;
+null where not measured, and when forced).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -49,17 +57,20 @@ PROBE_BYTES: Final = 32 << 20
 PROBE_FILES: Final = 2  # per way: 128 MiB written in all, ~0.1 s on a disk of ~1.5 GB/s
 RECHECK_SECONDS: Final = 600.0
 SWITCH_MARGIN: Final = 1.10
+RATED_BYTES: Final = 2 * PROBE_BYTES  # a save this large or larger counts as a measurement of its way
 PROBE_PREFIX: Final = ".tmp-probe-"  # store.TMP_PREFIX: leftovers of a crash are removed in RESTORE
 
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """The way a store writes now, why, and the rates it stands on (GB/s; None where refused)."""
+    """The way a store writes next, why, and the rates it stands on (GB/s; None where refused or
+    not measured): ``{"probe": {"page_cache", "o_direct"}, "saves": {"page_cache", "o_direct"}}``."""
 
     direct: bool
-    chosen_by: str  # "measurement", "direct_io=True", "direct_io=False" or "O_DIRECT refused"
-    rates: dict[str, float | None] | None = None  # {"page_cache": ..., "o_direct": ...}
-    measured_at: float = 0.0  # time.monotonic() of the measurement
+    #: "measurement" (the probe), "saves" (saves' rates), "trying the other way" (for one save),
+    #: "direct_io=True", "direct_io=False" or "O_DIRECT refused"
+    chosen_by: str
+    rates: dict[str, dict[str, float | None]] | None = None
 
     def fields(self) -> dict[str, Any]:
         """What ``checkpoint_store_ready`` and ``checkpoint_saved`` record of it."""
@@ -119,9 +130,13 @@ def _probe(
         path.unlink(missing_ok=True)
 
 
-# One measurement per file system, shared by the stores of this process while it is fresh.
-_measured: dict[int, Choice] = {}
-_measured_lock = threading.Lock()
+# One probe per file system, shared by the stores of this process while it is fresh: (rates, when).
+_probed: dict[int, tuple[dict[str, float | None], float]] = {}
+_probed_lock = threading.Lock()
+
+
+def _way(direct: bool) -> str:
+    return "o_direct" if direct else "page_cache"
 
 
 class WriteMode:
@@ -130,6 +145,9 @@ class WriteMode:
     def __init__(self, owner: str, setting: Any) -> None:
         self.setting = check_direct_io(owner, setting)
         self.choice: Choice | None = None
+        self._probe: dict[str, float | None] = {}
+        self._probed_at = 0.0
+        self._saved: dict[bool, tuple[float, float]] = {}  # direct -> (GB/s of a save, when)
         self._recheck: threading.Thread | None = None
 
     @property
@@ -149,46 +167,69 @@ class WriteMode:
             _, direct = _probe(root / f"{PROBE_PREFIX}{uuid.uuid4().hex[:8]}", io, staging, True, bytes(ALIGN), 1)
             return Choice(True, "direct_io=True") if direct else Choice(False, "O_DIRECT refused")
         device = root.stat().st_dev
-        with _measured_lock:
-            known = _measured.get(device)
-        if known is not None and time.monotonic() - known.measured_at < RECHECK_SECONDS:
-            return known
-        return self._measure(device, root, io, staging, current=None)
-
-    def _measure(
-        self, device: int, root: Path, io: ThreadPoolExecutor, staging: Staging, current: Choice | None
-    ) -> Choice:
-        rates = measure(root, io, staging)
-        page, direct = rates["page_cache"], rates["o_direct"]
-        if direct is None:
-            choice = Choice(False, "O_DIRECT refused", rates, time.monotonic())
+        with _probed_lock:
+            known = _probed.get(device)
+        if known is not None and time.monotonic() - known[1] < RECHECK_SECONDS:
+            self._probe, self._probed_at = known
         else:
-            assert page is not None
-            # The way in use keeps its place unless the other is clearly faster: noise must not flip it.
-            margin = 1.0 if current is None else SWITCH_MARGIN
-            if current is not None and current.direct:
-                use_direct = not page > direct * margin
-            else:
-                use_direct = direct > page * margin
-            choice = Choice(use_direct, "measurement", rates, time.monotonic())
-        with _measured_lock:
-            _measured[device] = choice
-        return choice
+            self._run_probe(device, root, io, staging)
+        return self._decide(None)
+
+    def _run_probe(self, device: int, root: Path, io: ThreadPoolExecutor, staging: Staging) -> None:
+        self._probe, self._probed_at = measure(root, io, staging), time.monotonic()
+        with _probed_lock:
+            _probed[device] = (self._probe, self._probed_at)
+
+    def after_save(self, direct: bool, nbytes: int, seconds: float) -> None:
+        """A save wrote ``nbytes`` of files in ``seconds`` (serializing included) the ``direct`` way:
+        from a size where fixed costs no longer hide the rate on, it counts ("auto" only)."""
+        if self.setting == "auto" and nbytes >= RATED_BYTES and seconds > 0:
+            self._saved[direct] = (round(nbytes / seconds / 1e9, 3), time.monotonic())
+            self.choice = self._decide(direct)
+
+    def _decide(self, current: bool | None) -> Choice:
+        """The way for the next save, written last ``current`` (None before the first save).
+
+        Saves of both ways, each at most ``RECHECK_SECONDS`` old: the faster of them. Saves of the
+        way in use only: the other way is tried for one save when its probe is faster than these
+        saves (a probe's small files may flatter a way that large ones do not: the saves are what
+        counts). No saves yet: the faster probe. A way in use keeps its place unless the other is
+        faster by ``SWITCH_MARGIN``, so that noise does not flip it back and forth.
+        """
+        now = time.monotonic()
+        saved = {direct: rate for direct, (rate, at) in self._saved.items() if now - at < RECHECK_SECONDS}
+        rates = {"probe": self._probe, "saves": {_way(d): saved.get(d) for d in (False, True)}}
+        probe_page, probe_direct = self._probe["page_cache"], self._probe["o_direct"]
+        if probe_direct is None:
+            return Choice(False, "O_DIRECT refused", rates)
+        assert probe_page is not None
+        if current is None:
+            return Choice(probe_direct > probe_page, "measurement", rates)
+        other = not current
+        if other in saved and current in saved:
+            return Choice(other if saved[other] > saved[current] * SWITCH_MARGIN else current, "saves", rates)
+        theirs = probe_direct if other else probe_page
+        if current in saved:
+            if theirs > saved[current] * SWITCH_MARGIN:
+                return Choice(other, "trying the other way", rates)
+            return Choice(current, "saves", rates)
+        mine = probe_page if other else probe_direct
+        return Choice(other if theirs > mine * SWITCH_MARGIN else current, "measurement", rates)
 
     def recheck_if_due(self, root: Path, io: ThreadPoolExecutor, staging: Staging, saving: threading.Lock) -> None:
-        """After a save: measure again on a thread of its own when the measurement is
-        ``RECHECK_SECONDS`` old ("auto" only); the next save uses what it finds."""
-        choice = self.choice
-        if self.setting != "auto" or choice is None or time.monotonic() - choice.measured_at < RECHECK_SECONDS:
+        """After a save: probe again on a thread of its own when the probe is ``RECHECK_SECONDS``
+        old ("auto" only); the next save decides with what it finds."""
+        if self.setting != "auto" or self.choice is None or time.monotonic() - self._probed_at < RECHECK_SECONDS:
             return
         if self._recheck is not None and self._recheck.is_alive():
             return
-        self.choice = replace(choice, measured_at=time.monotonic())  # due again only after another period
+        self._probed_at = time.monotonic()  # due again only after another period, whatever happens
 
         def recheck() -> None:
             try:
                 with saving:  # the staging buffers and the I/O thread are the saves'
-                    self.choice = self._measure(root.stat().st_dev, root, io, staging, current=choice)
+                    self._run_probe(root.stat().st_dev, root, io, staging)
+                    self.choice = self._decide(self.direct)
             except Exception:  # a failed probe (a full disk) changes nothing; the saves will say more
                 pass
 

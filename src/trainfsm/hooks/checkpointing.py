@@ -63,12 +63,14 @@ class CheckpointingHook(BaseHook):
     data can do) or ``"sha256"``. Loading verifies with whichever one a checkpoint's manifest names.
 
     ``direct_io``: how checkpoint files reach the disk. ``"auto"`` (default) measures both ways on
-    the checkpoint's file system in RESTORE (a probe of 128 MiB, re-checked every ten minutes after a
-    save) and uses the faster; ``False`` forces the page cache, each 4 MiB's writeback started as
-    soon as it is written and the pages dropped after the fsync; ``True`` forces ``O_DIRECT`` (past
-    the page cache). Where the file system refuses ``O_DIRECT`` the files go through the page cache.
-    ``checkpoint_store_ready`` and ``checkpoint_saved`` record the choice and the measured rates
-    (see ``trainfsm.checkpoint.writemode``; ``benchmarks/checkpoint.py`` measures both ways).
+    the checkpoint's file system and uses the faster: a probe of 128 MiB in RESTORE decides the first
+    save, the saves' own rates the later ones (a save tries the other way when its own rate is below
+    that way's probe), re-checked every ten minutes. ``False`` forces the page cache, each 4 MiB's
+    writeback started as soon as it is written and the pages dropped after the fsync; ``True``
+    forces ``O_DIRECT`` (past the page cache). Where the file system refuses ``O_DIRECT`` the files go
+    through the page cache. ``checkpoint_store_ready`` and ``checkpoint_saved`` record the choice,
+    why, and the measured rates (see ``trainfsm.checkpoint.writemode``; ``benchmarks/checkpoint.py``
+    measures both ways).
 
     Other hooks keep pointers beside ``latest`` (``EarlyStoppingHook``: ``best``) through
     ``point_when_saved`` and ``point_to_loaded``; pruning never deletes a pointer's target.

@@ -166,7 +166,8 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     "checkpoint_saved": (
         "`path`, `saved_step`, `bytes`, `seconds`, `checksum` (of the manifest), `kept`, `asynchronous` "
         "(+ `blocked_seconds`), `sharded`, `direct_io` (its files went past the page cache), `chosen_by` and "
-        "`rates` (why it wrote that way: as in `checkpoint_store_ready`, after any re-check), `data` (the data "
+        "`rates` (why it wrote that way, as in `checkpoint_store_ready`; `chosen_by` may also be `saves`: the "
+        "faster by earlier saves' rates, or `trying the other way`: for one save), `data` (the data "
         "positions saved: `{epoch, batches}` when every rank's is the same, else `{ranks: [[epoch, batches], "
         "...]}`; null when unknown)",
         "a checkpoint is durable",
@@ -196,10 +197,10 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     "checkpoint_pruned": ("`paths`", "old checkpoints deleted after a save"),
     "checkpoint_tmp_removed": ("`names`", "leftovers of an interrupted save deleted in RESTORE"),
     "checkpoint_store_ready": (
-        "`seconds`, `direct_io` (the way saves will write: past the page cache or through it), `chosen_by` "
-        "(`measurement`, `direct_io=True`, `direct_io=False`, or `O_DIRECT refused`: the file system refused "
-        "it), `rates` (GB/s measured each way on the checkpoint's file system, `page_cache` and `o_direct`, "
-        "null where refused; null when forced)",
+        "`seconds`, `direct_io` (the way the first save will write: past the page cache or through it), "
+        "`chosen_by` (`measurement`, `direct_io=True`, `direct_io=False`, or `O_DIRECT refused`: the file system "
+        "refused it), `rates` (GB/s measured on the checkpoint's file system: `probe` and, later, `saves`, each "
+        "with `page_cache` and `o_direct`, null where not measured; null when forced)",
         "RESTORE prepared the store's writer (its thread and staging buffers, the serializer's imports, the "
         "way to write), so that the first save does none of it (DEBUG)",
     ),
