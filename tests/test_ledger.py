@@ -48,10 +48,23 @@ def killed_then_resumed(workspace: Path, *args: str) -> None:
     launch(workspace, *args)
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run killed in step 10 and resumed, with nothing planted (read-only: copy it to edit)."""
+    workspace = tmp_path_factory.mktemp("clean")
+    killed_then_resumed(workspace)
+    return workspace
+
+
 # ---------------------------------------------------------------- the guard: a run without a break
 @pytest.mark.parametrize("loader", ["list", "stateful"])
-def test_a_killed_and_resumed_run_draws_each_batch_once_and_the_ledger_says_so(tmp_path: Path, loader: str) -> None:
-    killed_then_resumed(tmp_path, "--loader", loader)
+def test_a_killed_and_resumed_run_draws_each_batch_once_and_the_ledger_says_so(
+    tmp_path: Path, loader: str, clean: Path
+) -> None:
+    if loader == "list":
+        tmp_path = clean
+    else:
+        killed_then_resumed(tmp_path, "--loader", loader)
     report = audit.audit([tmp_path])
     assert report.run_problems == [] and report.problems == []
     (line,) = report.ledger
@@ -65,9 +78,8 @@ def test_a_killed_and_resumed_run_draws_each_batch_once_and_the_ledger_says_so(t
     assert done.returncode == 0 and "\ndata ledger: rank 0: attempt 0: " in done.stdout
 
 
-def test_the_trail_records_the_positions_saved_and_restored(tmp_path: Path) -> None:
-    killed_then_resumed(tmp_path)
-    events = read_events(tmp_path)
+def test_the_trail_records_the_positions_saved_and_restored(clean: Path) -> None:
+    events = read_events(clean)
     saved = {e["saved_step"]: e for e in events if e["event"] == "checkpoint_saved"}
     assert [saved_position(saved[step]["data"], 0) for step in (4, 8, 12)] == [(0, 4), (0, 8), (1, 2)]
     (resumed,) = [e for e in events if e["event"] == "data_resumed"]
@@ -126,8 +138,10 @@ def test_a_loader_that_skips_a_batch_on_resume_is_caught_by_the_batch_it_draws_f
 
 
 # ---------------------------------------------------------------- old trails
-def test_an_old_trail_without_ledger_fields_audits_and_says_the_ledger_is_not_checked(tmp_path: Path) -> None:
-    killed_then_resumed(tmp_path)
+def test_an_old_trail_without_ledger_fields_audits_and_says_the_ledger_is_not_checked(
+    tmp_path: Path, clean: Path
+) -> None:
+    shutil.copytree(clean / "logs", tmp_path / "logs")
     trail = tmp_path / "logs" / "events.rank0.jsonl"
     old = [
         line.replace('"format":3', '"format":2')

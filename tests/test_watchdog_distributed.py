@@ -102,6 +102,7 @@ def test_a_frozen_rank_makes_the_other_record_the_collective_it_waits_in_and_tra
     assert f"rank 0 in {first['state']} at step {first['step']}" in stalled.message
 
 
+@pytest.mark.slow  # the fast tier's distributed stall is the frozen rank above
 def test_a_forward_sleeping_on_one_rank_names_its_line_there_and_the_collective_on_the_other(
     tmp_path: Path, straight: list[torch.Tensor]
 ) -> None:
