@@ -261,10 +261,14 @@ def through_the_hook(directory: Path, megabytes: int, rounds: int, saves: int) -
     firsts = {kind: mean(first(kind)) / mean(later(kind)) for kind in ("momentum", "plain SGD")}
     worst = max(firsts, key=lambda kind: firsts[kind])
     medians = {kind: statistics.median(later(kind)) for kind in ("momentum", "plain SGD")}
+    per_byte = {kind: medians[kind] / runs[kind][0]["bytes"] for kind in medians}
     sync, blocked = later("momentum"), later("async")
     first_async = max(first("async")) / statistics.median(sync)
     return {
-        "sgd": (per_gb("plain SGD") / per_gb("momentum"), f"medians {medians['plain SGD'] / medians['momentum']:.2f}"),
+        "sgd": (
+            per_gb("plain SGD") / per_gb("momentum"),
+            f"medians {per_byte['plain SGD'] / per_byte['momentum']:.2f}",
+        ),
         "first": (
             firsts[worst],
             f"{worst}; the process's first {runs[process_first][0]['seconds'][0] / medians[process_first]:.2f} "

@@ -12,10 +12,12 @@ slower for files of a GB. So with ``direct_io="auto"`` (the default) the store m
   speeding up or slowing down meanwhile favours neither), each written by the store's own writer
   (its staging buffers and I/O thread, a checksum on the way) and fsynced, then deleted. A way's
   rate is its bytes over its seconds, fsyncs included. The first save is written the way that
-  probed faster. The probe files are named like a save's temporary directory, so a crash that
-  leaves one is cleaned up in RESTORE;
-- **the saves themselves**: each save of ``RATED_BYTES`` or more gives the rate of the way it was
-  written (its files' bytes over the seconds from serializing the first to the fsync of the last).
+  probed faster, the page cache's rate taken at ``1 / PAGE_CACHE_FLATTERY`` (caches absorb a
+  probe's small files, not a large checkpoint). The probe files are named like a save's temporary
+  directory, so a crash that leaves one is cleaned up in RESTORE;
+- **the saves themselves**: each save of ``RATED_BYTES`` or more counts for the way it was written
+  (its files' bytes and the seconds from serializing the first to the fsync of the last; a way's
+  rate is the bytes over the seconds of its last ``SAVES_KEPT`` saves).
   When that is below the other way's probe, the next save tries the other way; once saves of both
   ways are known, the faster of them is used. A save's rate is what counts: a probe's small files
   may flatter a way that a large checkpoint does not;
@@ -40,6 +42,7 @@ import random
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +60,13 @@ PROBE_BYTES: Final = 32 << 20
 PROBE_FILES: Final = 2  # per way: 128 MiB written in all, ~0.1 s on a disk of ~1.5 GB/s
 RECHECK_SECONDS: Final = 600.0
 SWITCH_MARGIN: Final = 1.10
+# How much a probe's small files may flatter the page cache: the host's and the device's caches
+# absorb a burst of tens of MB, not a checkpoint of a GB, and the page cache's extra copy costs the
+# most when the CPUs are busy with training, which they are not during the probe. Measured here
+# (issue 35): 32 MiB probes gave the page cache 1.3-1.4x O_DIRECT's rate, while 1 GB writes went
+# 2x faster with O_DIRECT (0.45 against 0.87 s, medians; through the page cache 0.29-2.4 s).
+PAGE_CACHE_FLATTERY: Final = 1.5
+SAVES_KEPT: Final = 4  # per way: a rate is their bytes over their seconds
 RATED_BYTES: Final = 2 * PROBE_BYTES  # a save this large or larger counts as a measurement of its way
 PROBE_PREFIX: Final = ".tmp-probe-"  # store.TMP_PREFIX: leftovers of a crash are removed in RESTORE
 
@@ -147,7 +157,7 @@ class WriteMode:
         self.choice: Choice | None = None
         self._probe: dict[str, float | None] = {}
         self._probed_at = 0.0
-        self._saved: dict[bool, tuple[float, float]] = {}  # direct -> (GB/s of a save, when)
+        self._saved: dict[bool, deque[tuple[int, float, float]]] = {}  # direct -> (bytes, seconds, when)
         self._recheck: threading.Thread | None = None
 
     @property
@@ -184,25 +194,31 @@ class WriteMode:
         """A save wrote ``nbytes`` of files in ``seconds`` (serializing included) the ``direct`` way:
         from a size where fixed costs no longer hide the rate on, it counts ("auto" only)."""
         if self.setting == "auto" and nbytes >= RATED_BYTES and seconds > 0:
-            self._saved[direct] = (round(nbytes / seconds / 1e9, 3), time.monotonic())
+            self._saved.setdefault(direct, deque(maxlen=SAVES_KEPT)).append((nbytes, seconds, time.monotonic()))
             self.choice = self._decide(direct)
 
     def _decide(self, current: bool | None) -> Choice:
         """The way for the next save, written last ``current`` (None before the first save).
 
-        Saves of both ways, each at most ``RECHECK_SECONDS`` old: the faster of them. Saves of the
-        way in use only: the other way is tried for one save when its probe is faster than these
-        saves (a probe's small files may flatter a way that large ones do not: the saves are what
-        counts). No saves yet: the faster probe. A way in use keeps its place unless the other is
-        faster by ``SWITCH_MARGIN``, so that noise does not flip it back and forth.
+        Saves of both ways (the last ``SAVES_KEPT`` of each, at most ``RECHECK_SECONDS`` old): the
+        faster of them. Saves of the way in use only: the other way is tried for one save when its
+        probe is faster than these saves (a probe's small files may flatter a way that large ones do
+        not: the saves are what counts). No saves yet: the faster probe. The page cache's probe is
+        taken at ``1 / PAGE_CACHE_FLATTERY`` of its rate; a way in use keeps its place unless the
+        other is faster by ``SWITCH_MARGIN``, so that noise does not flip it back and forth.
         """
         now = time.monotonic()
-        saved = {direct: rate for direct, (rate, at) in self._saved.items() if now - at < RECHECK_SECONDS}
+        saved = {}
+        for direct, saves in self._saved.items():
+            fresh = [(nbytes, seconds) for nbytes, seconds, at in saves if now - at < RECHECK_SECONDS]
+            if fresh:
+                saved[direct] = round(sum(n for n, _ in fresh) / sum(s for _, s in fresh) / 1e9, 3)
         rates = {"probe": self._probe, "saves": {_way(d): saved.get(d) for d in (False, True)}}
         probe_page, probe_direct = self._probe["page_cache"], self._probe["o_direct"]
         if probe_direct is None:
             return Choice(False, "O_DIRECT refused", rates)
         assert probe_page is not None
+        probe_page /= PAGE_CACHE_FLATTERY  # what a checkpoint may expect of it, at best
         if current is None:
             return Choice(probe_direct > probe_page, "measurement", rates)
         other = not current
