@@ -170,14 +170,15 @@ class Clock(BaseHook):
 
 
 class BigTrainer(BaseTrainer):
-    """One square linear layer of ``width``; SGD, with ``momentum`` or without (no optimizer state)."""
+    """One square linear layer of ``width``, batches of ``batch``; SGD, with ``momentum`` or without
+    (no optimizer state). ``sharded_checkpoint.py`` subclasses it."""
 
-    def __init__(self, width: int, momentum: float, hooks: list[Any], **kwargs: Any) -> None:
+    def __init__(self, width: int, batch: int, hooks: list[Any], momentum: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.width, self.momentum, self.hook_list = width, momentum, hooks
+        self.width, self.batch, self.momentum, self.hook_list = width, batch, momentum, hooks
 
     def build_data_loader(self) -> Any:
-        return [torch.randn(8, self.width)]
+        return [torch.randn(self.batch, self.width)]
 
     def build_model(self) -> nn.Module:
         return nn.Linear(self.width, self.width, bias=False)
@@ -201,9 +202,8 @@ def one_trainer(directory: Path, megabytes: int, kind: str, saves: int) -> dict[
     marks: list[tuple[str, int, float]] = []
     hook = CheckpointingHook(interval=interval, async_save=asynchronous)
     workspace = directory / kind.replace(" ", "_")
-    trainer = BigTrainer(
-        width, momentum, [Clock(marks, 0), hook, Clock(marks, 1)], max_steps=interval * saves, workspace=workspace
-    )
+    hooks = [Clock(marks, 0), hook, Clock(marks, 1)]
+    trainer = BigTrainer(width, 8, hooks, momentum, max_steps=interval * saves, workspace=workspace, device="cpu")
     trainer.train()
     spans: dict[str, list[float]] = {"save": [], "wait": []}
     for (what, _, start), (_, _, end) in zip(marks[::2], marks[1::2], strict=True):

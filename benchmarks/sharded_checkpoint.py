@@ -8,9 +8,9 @@ median time the training loop is blocked by an asynchronous one (staging the non
 the collective that agrees on the directory, and the wait for the parameter copies before the next
 optimizer step). Target, as for a full checkpoint: blocked <= 10% of the synchronous save.
 
-``--optimizer sgd`` (no momentum: an optimizer without state) shows a cost of torch's, not ours:
-``get_state_dict`` then makes zero gradients and runs a zero-rate optimizer step on every call, to
-create the state it expects, which blocks both kinds of save alike (~57 ms per rank at 100 MB here).
+``--optimizer sgd`` (no momentum: an optimizer without state) checks that such an optimizer costs
+nothing more: torch's ``get_state_dict`` would make zero gradients and run a zero-rate optimizer
+step at every save, which ``trainer.state_dict()`` no longer lets it do (issue 35).
 
     python benchmarks/sharded_checkpoint.py                # 200 MB over 2 ranks, 7 saves each
     python benchmarks/sharded_checkpoint.py --quick        # 16 MB, 2 saves: a smoke run, no verdict
@@ -47,7 +47,7 @@ class ShardedTrainer(BigTrainer):
     ranks, with Adam or SGD."""
 
     def __init__(self, width: int, batch: int, optimizer: str, hook: CheckpointingHook, **kwargs: Any) -> None:
-        super().__init__(width, batch, hook, **kwargs)
+        super().__init__(width, batch, [hook], **kwargs)
         self.optimizer_name = optimizer
 
     def build_model(self) -> nn.Module:
