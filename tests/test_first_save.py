@@ -75,7 +75,10 @@ print(json.dumps(out))
 
 
 def run_child(tmp_path: Path) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+    }
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(tmp_path)],
         cwd=ROOT,
