@@ -136,29 +136,23 @@ def built(method: str, value: Any, expected: type | tuple[type, ...], allow_none
 
 def stall_timeout(value: Any) -> float | str | None:
     """``"auto"``, a positive number of seconds, or None (no watchdog)."""
-    if value is None or value == "auto":
-        return None if value is None else "auto"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"stall_timeout must be 'auto', a positive number of seconds or None (no watchdog); "
-            f"got {value!r} ({type(value).__name__})."
-        )
-    if not 0 < value < float("inf"):  # also refuses NaN
-        raise ValueError(
-            f"stall_timeout must be 'auto', a positive number of seconds or None (no watchdog); got {value!r}."
-        )
-    return float(value)
+    allowed = "'auto', a positive number of seconds or None (no watchdog)"
+    return _auto_or_seconds("stall_timeout", value, allowed, zero=False)
 
 
 def job_end_margin(value: Any) -> float | str | None:
     """``"auto"``, seconds >= 0, or None (the job's end is not watched)."""
     allowed = "'auto', a number of seconds >= 0 or None (do not watch the job's end)"
+    return _auto_or_seconds("job_end_margin", value, allowed, zero=True)
+
+
+def _auto_or_seconds(name: str, value: Any, allowed: str, *, zero: bool) -> float | str | None:
     if value is None or value == "auto":
         return None if value is None else "auto"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"job_end_margin must be {allowed}; got {value!r} ({type(value).__name__}).")
-    if not 0 <= value < float("inf"):  # also refuses NaN
-        raise ValueError(f"job_end_margin must be {allowed}; got {value!r}.")
+        raise TypeError(f"{name} must be {allowed}; got {value!r} ({type(value).__name__}).")
+    if not ((value >= 0) if zero else (value > 0)) or not value < float("inf"):  # also refuses NaN
+        raise ValueError(f"{name} must be {allowed}; got {value!r}.")
     return float(value)
 
 

@@ -264,7 +264,7 @@ class BaseTrainer(fsm.Triggers):
         fsm.bind(machine, "enter", fsm.EXIT, self._enter_exit)
         fsm.bind(machine, "enter", fsm.EXIT, self._finish_exit)
         machine.compile_events(self, event_log.transition_recorder)
-        watchdog = run.watchdog = self._watchdog(machine.progress, run)
+        run.watchdog = self._watchdog(machine.progress, run)
         # What each state does, returning the trigger that leaves it (None: EXIT, the end).
         work: dict[str, Callable[[], Callable[[], bool] | None]] = {
             fsm.BUILD: self._build,
@@ -284,8 +284,8 @@ class BaseTrainer(fsm.Triggers):
             run.record_failure(self, exc)
             raise
         finally:
-            if watchdog is not None:
-                watchdog.stop()
+            if run.watchdog is not None:  # stopped at EXIT already, unless EXIT was never reached
+                run.watchdog.stop()
             event_log.close()
         if self.exit_reason is ExitReason.PREEMPTED:
             preemption.wait_before_exit()
