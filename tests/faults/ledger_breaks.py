@@ -1,5 +1,6 @@
 """A training script for the data ledger's tests (``tests/test_ledger.py``): each launch is one
-attempt, in its own process; breaks of exactly-once data are planted on purpose.
+attempt (a launch that kills itself runs in its own process, the others may run in the test's);
+breaks of exactly-once data are planted on purpose.
 
     python tests/faults/ledger_breaks.py WORKSPACE --steps 12 --interval 4 [--kill-at 10]
         [--plant other-position:4] [--loader stateful|skipping] [--load none]
@@ -97,7 +98,7 @@ class Trainer(BaseTrainer):
         super().load_state_dict(state, options, data_resume)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("workspace", type=Path)
     parser.add_argument("--steps", type=int, default=12)
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--plant", default="")
     parser.add_argument("--loader", choices=("list", "stateful", "skipping"), default="list")
     parser.add_argument("--load", choices=("latest", "none"), default="latest")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     Trainer(args, max_steps=args.steps, workspace=args.workspace, device="cpu").train()
 
 
