@@ -21,7 +21,6 @@ import torch
 
 from tests.distributed.launch import ROOT, alive, events, free_port
 from tests.faults import elastic_restart
-from tests.tiers import trial_counts
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="torchrun and prctl: Linux"),
@@ -139,7 +138,10 @@ def test_sigkill_of_one_rank_under_max_restarts_ends_in_a_restarted_group_that_c
     assert (passed, failed) == (trials, 0), capsys.readouterr().out
 
 
-@trial_counts(fast=1, full=5)
+# An exception on one rank: the fast tier's is tests/test_distributed_faults.py's, and torchrun's restart
+# is test_two_nodes.py's; these 5 trials under torchrun run in `make test-all`.
+@pytest.mark.slow
+@pytest.mark.parametrize("trials", [5], ids=["5 trials"])
 def test_an_exception_on_one_rank_under_max_restarts_ends_in_a_restarted_group_that_completes_exactly(
     capsys: pytest.CaptureFixture[str], trials: int
 ) -> None:

@@ -27,6 +27,9 @@ STALL_AT = 13  # between the interval checkpoints of steps 10 and 15
 ARGS = ("--steps", "30", "--interval", "5", "--stall-timeout", "5")
 
 
+# The fast tier's stalls: tests/test_watchdog.py (exit 75, reason stalled) and the frozen rank of
+# tests/test_watchdog_distributed.py; SLURM's requeue is the preemption's (tests/slurm/test_preemption.py).
+@pytest.mark.slow
 def test_a_job_stalled_in_forward_is_requeued_by_the_watchdog_and_the_next_attempt_completes(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
