@@ -147,20 +147,7 @@ def run(directory: Path, standalone: bool, raise_at: int, timeout: float = 240) 
     return process.returncode, log.read_text(errors="replace")
 
 
-#: The uninterrupted run, made once per process: the SIGKILL and the exception trials of a pytest
-#: worker compare against the same deterministic run.
-_REFERENCE: list[tuple[list[Any], float]] = []
-
-
-def reference() -> tuple[list[Any], float]:
-    """(final parameters, seconds from RESTORE to EXIT) of the uninterrupted run, made once per process."""
-    if not _REFERENCE:
-        with tempfile.TemporaryDirectory() as tmp:
-            _REFERENCE.append(_run_reference(Path(tmp)))
-    return _REFERENCE[0]
-
-
-def _run_reference(directory: Path) -> tuple[list[Any], float]:
+def reference(directory: Path) -> tuple[list[Any], float]:
     import torch
 
     code, output = run(directory, standalone=True, raise_at=-1)
@@ -228,7 +215,8 @@ def run_trials(
     passed = failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
-        expected, duration = reference()
+        (base / "reference").mkdir()
+        expected, duration = reference(base / "reference")
         for index in range(trials):
             directory = base / f"trial{index}"
             directory.mkdir()

@@ -116,20 +116,7 @@ class Reference:
     startup: float
 
 
-#: The uninterrupted runs made in this process, by ``slow``: the script is deterministic, so the trials
-#: of every test in a pytest worker (SIGKILL, SIGTERM, SIGUSR1, SIGINT) compare against one run.
-_REFERENCES: dict[float, Reference] = {}
-
-
-def reference(slow: float) -> Reference:
-    """The uninterrupted run for ``slow``, made once per process."""
-    if slow not in _REFERENCES:
-        with tempfile.TemporaryDirectory() as tmp:
-            _REFERENCES[slow] = _run_reference(Path(tmp), slow)
-    return _REFERENCES[slow]
-
-
-def _run_reference(directory: Path, slow: float) -> Reference:
+def reference(directory: Path, slow: float) -> Reference:
     import torch
 
     out = directory / "reference.pt"
@@ -206,7 +193,7 @@ def repeat(
     passed = failed = total = 0
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
-        ref = reference(slow)
+        ref = reference(base, slow)
         for index in range(trials):
             directory = base / f"trial{index}"
             directory.mkdir()
