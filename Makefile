@@ -24,8 +24,9 @@ BIN := $(VENV)/bin
 LINTED := src tests benchmarks examples
 # pytest-xdist: a module's tests run on one worker (tests/conftest.py, pytest_xdist_make_scheduler). Three
 # workers on 2 cores: the tests wait on other processes (torchrun agents, SLURM, timeouts) a good part of
-# their time. Measured here: the fast tier 280 s with 3 against 360 s with 2 (CPU idle 5% against 12%);
-# the full suite 1018 s against 1206 s.
+# their time. Measured here, the same tests on one tree: the fast tier 280 s with 3 against 360 s with 2
+# (CPU idle 5% against 12%). On fresh clones with 3: the fast tier 273-277 s, the full suite 1066 s
+# (1206 s with 2, before the fast tier was trimmed).
 TEST_WORKERS ?= 3
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 

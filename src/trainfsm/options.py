@@ -151,7 +151,8 @@ def _auto_or_seconds(name: str, value: Any, allowed: str, *, zero: bool) -> floa
         return None if value is None else "auto"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be {allowed}; got {value!r} ({type(value).__name__}).")
-    if not ((value >= 0) if zero else (value > 0)) or not value < float("inf"):  # also refuses NaN
+    above_minimum = value >= 0 if zero else value > 0
+    if not (above_minimum and value < float("inf")):  # NaN fails both comparisons
         raise ValueError(f"{name} must be {allowed}; got {value!r}.")
     return float(value)
 
