@@ -179,22 +179,35 @@ def trial(directory: Path, ref: Reference, kills: int, rng: random.Random, slow:
     return True, f"{killed} kills, {len(attempts)} attempts, {loads} checkpoint loads", killed
 
 
-def run_trials(trials: int, kills: int, seed: int, slow: float, verbose: bool = True) -> tuple[int, int, int]:
-    """(passed, failed, SIGKILLs sent) over ``trials`` trials."""
-    return repeat(trial, trials, kills, seed, slow, verbose)
+def run_trials(
+    trials: int, kills: int, seed: int, slow: float, verbose: bool = True, at_least: int = 0, most: int = 0
+) -> tuple[int, int, int]:
+    """(passed, failed, SIGKILLs sent) over ``trials`` trials, more (up to ``most``) until ``at_least`` landed."""
+    return repeat(trial, trials, kills, seed, slow, verbose, at_least, most)
 
 
 def repeat(
-    one: Callable[..., tuple[bool, str, int]], trials: int, count: int, seed: int, slow: float, verbose: bool
+    one: Callable[..., tuple[bool, str, int]],
+    trials: int,
+    count: int,
+    seed: int,
+    slow: float,
+    verbose: bool,
+    at_least: int = 0,
+    most: int = 0,
 ) -> tuple[int, int, int]:
     """Run ``one`` trial function ``trials`` times against one uninterrupted reference run:
-    (passed, failed, interruptions sent in all)."""
+    (passed, failed, interruptions sent in all).
+
+    An interruption drawn for a moment the process has already passed (it finished first) is not
+    sent, so how many land is chance. A test that needs ``at_least`` of them runs further trials,
+    up to ``most`` in all, rather than hoping the planned count drew few late moments."""
     rng = random.Random(seed)
-    passed = failed = total = 0
+    passed = failed = total = index = 0
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         ref = reference(base, slow)
-        for index in range(trials):
+        while index < trials or (total < at_least and index < most):
             directory = base / f"trial{index}"
             directory.mkdir()
             ok, detail, sent = one(directory, ref, count, rng, slow)
@@ -203,6 +216,7 @@ def repeat(
             failed += not ok
             if verbose:
                 print(f"trial {index}: {'passed' if ok else 'FAILED'} ({detail})", flush=True)
+            index += 1
     return passed, failed, total
 
 

@@ -156,9 +156,12 @@ def run_trials(
     slow: float,
     verbose: bool = True,
     names: tuple[signal.Signals, ...] = SIGNALS,
+    at_least: int = 0,
+    most: int = 0,
 ) -> tuple[int, int, int]:
-    """(passed, failed, signals sent) over ``trials`` trials, each signal drawn from ``names``."""
-    return repeat(partial(trial, names=names), trials, signals, seed, slow, verbose)
+    """(passed, failed, signals sent) over ``trials`` trials, each signal drawn from ``names``; more
+    trials (up to ``most`` in all) while fewer than ``at_least`` signals were sent."""
+    return repeat(partial(trial, names=names), trials, signals, seed, slow, verbose, at_least, most)
 
 
 def main() -> None:
