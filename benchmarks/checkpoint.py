@@ -130,7 +130,7 @@ def compare_sync(directory: Path, megabytes: int, rounds: int) -> dict[str, Any]
             kinds[name](step)
             times[name].append(time.perf_counter() - start)
     target.unlink(missing_ok=True)
-    chosen = stores["ours"].mode
+    chosen = stores["ours"].written_with
     for store in stores.values():
         store.close()
     total = {name: sum(times[name]) for name in names}

@@ -76,30 +76,34 @@ def test_restore_measures_both_ways_and_the_trail_says_which_it_chose(
     rates = ready["rates"]["probe"]
     if o_direct_works(tmp_path):
         assert ready["chosen_by"] == "measurement" and rates["page_cache"] > 0 and rates["o_direct"] > 0
-        # The page cache's probe counts at 1 / PAGE_CACHE_FLATTERY (32 MiB flatter it).
+        # For a file of unknown size (taken as a large one) the page cache's probe counts at
+        # 1 / PAGE_CACHE_FLATTERY (32 MiB flatter it); the tiny trainer's files take it as it is.
         assert ready["direct_io"] == (rates["o_direct"] > rates["page_cache"] / writemode.PAGE_CACHE_FLATTERY)
+        small_files_direct = rates["o_direct"] > rates["page_cache"]
     else:
         assert ready["chosen_by"] == "O_DIRECT refused" and rates["o_direct"] is None and not ready["direct_io"]
+        small_files_direct = False
     saved = named(events, "checkpoint_saved")
     # Saves of a few bytes say nothing of a way's rate (fixed costs): the probe's choice stands.
     assert [(e["direct_io"], e["chosen_by"], e["rates"]) for e in saved] == [
-        (ready["direct_io"], ready["chosen_by"], ready["rates"])
+        (small_files_direct, ready["chosen_by"], ready["rates"])
     ] * 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "latest"]  # no probe file left
 
 
 @pytest.mark.parametrize(
-    ("rates", "direct"),
+    ("rates", "large", "small"),
     [
-        ({"page_cache": 1.0, "o_direct": 1.2}, True),
-        ({"page_cache": 2.0, "o_direct": 1.2}, False),
-        # A probe's small files flatter the page cache: it must be faster by PAGE_CACHE_FLATTERY.
-        ({"page_cache": 1.6, "o_direct": 1.2}, True),
+        ({"page_cache": 1.0, "o_direct": 1.2}, True, True),
+        ({"page_cache": 2.0, "o_direct": 1.2}, False, False),
+        # A probe's small files flatter the page cache for a large file (or one of unknown size, as in
+        # RESTORE): it must be faster by PAGE_CACHE_FLATTERY there; a small file takes it as it is.
+        ({"page_cache": 1.6, "o_direct": 1.2}, True, False),
     ],
     ids=["o-direct-faster", "page-cache-faster", "page-cache-flattered"],
 )
 def test_the_store_writes_the_way_measured_faster(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rates: dict[str, float], direct: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rates: dict[str, float], large: bool, small: bool
 ) -> None:
     if not o_direct_works(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
@@ -107,9 +111,33 @@ def test_the_store_writes_the_way_measured_faster(
     events = train(tmp_path)
     assert asked == [tmp_path / "checkpoints"]  # the checkpoint's own file system
     (ready,) = named(events, "checkpoint_store_ready")
-    expected = (direct, "measurement", {"probe": rates, "saves": NO_SAVES})
+    expected = (large, "measurement", {"probe": rates, "saves": NO_SAVES})
     assert (ready["direct_io"], ready["chosen_by"], ready["rates"]) == expected
-    assert [e["direct_io"] for e in named(events, "checkpoint_saved")] == [direct] * 2
+    assert [e["direct_io"] for e in named(events, "checkpoint_saved")] == [small] * 2
+    mode = writemode.WriteMode("CheckpointStore", "auto")
+    mode._probe = rates
+    mode.choice = writemode.Choice(large, "measurement")
+    burst = writemode.PAGE_CACHE_BURST_BYTES
+    assert (mode.for_file(burst).direct, mode.for_file(burst + 1).direct) == (small, large)
+
+
+def test_each_size_of_file_has_its_own_saves_rates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The page cache took 200 MB files at the floor's pace and 1 GB ones with a long tail.
+    mode = writemode.WriteMode("CheckpointStore", "auto")
+    mode._probe = {"page_cache": 2.0, "o_direct": 1.5}
+    mode.choice = writemode.Choice(True, "measurement")
+    mb, gb = 200 << 20, 1 << 30
+    assert (mode.for_file(mb).direct, mode.for_file(gb).direct) == (False, True)  # 2.0 | 2.0 / 1.5 against 1.5
+    mode.after_write(False, mb, mb / 2.5e9)  # 2.5 GB/s through the page cache at 200 MB
+    mode.after_write(True, gb, gb / 1.0e9)  # 1.0 GB/s with O_DIRECT at 1 GB: below the page cache's probe
+    at_200, at_1g = mode.for_file(mb), mode.for_file(gb)
+    assert (at_200.direct, at_200.chosen_by) == (False, "saves")
+    assert at_200.rates is not None and at_200.rates["saves"] == {"page_cache": 2.5, "o_direct": None}
+    assert (at_1g.direct, at_1g.chosen_by) == (False, "trying the other way")
+    assert at_1g.rates is not None and at_1g.rates["saves"] == {"page_cache": None, "o_direct": 1.0}
+    mode.after_write(False, gb, gb / 0.5e9)  # the page cache's 1 GB file: 0.5 GB/s
+    assert (mode.for_file(gb).direct, mode.for_file(gb).chosen_by) == (True, "saves")
+    assert (mode.for_file(mb).direct, mode.for_file(mb).chosen_by) == (False, "saves")  # untouched at 200 MB
 
 
 @pytest.mark.parametrize("forced", [True, False])
@@ -232,9 +260,9 @@ def test_saves_decide_once_they_are_measured_and_the_other_way_is_tried_when_its
     seen = [(choice.direct, choice.chosen_by)]
     gb = 10**9
     for direct, seconds in [(False, 1.0), (True, 0.5), (True, 0.55), (True, 0.52)]:  # 1.0, 2.0, 1.8, 1.9 GB/s
-        mode.after_save(direct, gb, seconds)
-        assert mode.choice is not None
-        seen.append((mode.choice.direct, mode.choice.chosen_by))
+        mode.after_write(direct, gb, seconds)
+        choice = mode.for_file(gb)
+        seen.append((choice.direct, choice.chosen_by))
     assert seen == [
         (False, "measurement"),  # the probe: page cache 3.0 GB/s (2.0 at best for a checkpoint), O_DIRECT 1.5
         (True, "trying the other way"),  # a save through the page cache: 1.0 GB/s, below O_DIRECT's probe
@@ -243,21 +271,24 @@ def test_saves_decide_once_they_are_measured_and_the_other_way_is_tried_when_its
         (True, "saves"),
     ]
     # A way's rate from its saves is their bytes over their seconds: 3 GB in 1.57 s.
-    assert mode.choice is not None and mode.choice.rates == {
+    assert mode.for_file(gb).rates == {
         "probe": {"page_cache": 3.0, "o_direct": 1.5},
         "saves": {"page_cache": 1.0, "o_direct": 1.911},
     }
-    mode.after_save(True, gb, 0.25)  # O_DIRECT: 4 GB in 1.82 s
-    mode.after_save(False, gb, 0.5)  # the page cache: 2 GB in 1.5 s, not faster
-    assert mode.choice is not None and (mode.choice.direct, mode.choice.chosen_by) == (True, "saves")
-    # Saves too small to say anything of a way's rate (fixed costs) change nothing.
-    mode.after_save(False, writemode.RATED_BYTES - 1, 1.0)
-    assert mode.choice.rates is not None and mode.choice.rates["saves"] == {"page_cache": 1.333, "o_direct": 2.198}
+    mode.after_write(True, gb, 0.25)  # O_DIRECT: 4 GB in 1.82 s
+    mode.after_write(False, gb, 0.5)  # the page cache: 2 GB in 1.5 s, not faster
+    choice = mode.for_file(gb)
+    assert (choice.direct, choice.chosen_by) == (True, "saves")
+    # Files too small to say anything of a way's rate (fixed costs) change nothing.
+    mode.after_write(False, writemode.RATED_BYTES - 1, 1.0)
+    choice = mode.for_file(gb)
+    assert choice.rates is not None and choice.rates["saves"] == {"page_cache": 1.333, "o_direct": 2.198}
     # Saves RECHECK_SECONDS old no longer count: the probe decides again (the way in use keeps its
     # place unless the other probed faster by SWITCH_MARGIN), and the saves after it tell again.
     monkeypatch.setattr(writemode, "RECHECK_SECONDS", 0.0)
-    mode.after_save(True, gb, 0.25)
-    assert (mode.choice.direct, mode.choice.chosen_by, mode.choice.rates["saves"]) == (False, "measurement", NO_SAVES)
+    mode.after_write(True, gb, 0.25)
+    choice = mode.for_file(gb)
+    assert (choice.direct, choice.chosen_by, choice.rates["saves"]) == (False, "measurement", NO_SAVES)
 
 
 def test_the_trail_shows_a_save_trying_the_other_way_and_the_saves_deciding(

@@ -48,6 +48,9 @@ ALIGN: Final = 4096  # O_DIRECT: buffer addresses, file offsets and lengths are 
 # write-out of that range's dirty pages without waiting for it (and drops pages already clean).
 _WRITEBACK: Final = getattr(os, "POSIX_FADV_DONTNEED", None) if hasattr(os, "posix_fadvise") else None
 READ_BYTES: Final = 4 << 20  # what verification reads at a time
+# A write this large (a tensor's storage), through the page cache, skips the staging buffers
+# (``DurableWriter._write_from_caller``); smaller ones (zip headers, the pickle) are gathered there.
+FROM_CALLER_BYTES: Final = 1 << 20
 
 
 def digest(checksum: str) -> Callable[[], Any]:
@@ -167,19 +170,31 @@ class DurableWriter:
       the page cache;
     - each buffer is hashed, in file order, just before its write is queued: one streaming sum per
       file;
-    - ``write`` copies the bytes before it returns, so torch may free or reuse what it passed
-      (device tensors reach it through temporary host buffers);
+    - ``write`` is done with the bytes before it returns, so torch may free or reuse what it
+      passed (device tensors reach it through temporary host buffers): it copies them into a
+      buffer, or, through the page cache, hands a large piece (a tensor's storage) to the kernel
+      straight from torch's memory and waits for it (the kernel's copy is the only one: a 200 MB
+      save took 0.077 s this way against 0.091 s staged, medians; 0.65 s against 1.18 s in all
+      over 8 saves);
     - a buffer is reused only when its write is done; a write's error surfaces at the next use of
       that buffer or in ``finish``, never later.
     """
 
     def __init__(
-        self, path: Path, io: ThreadPoolExecutor, staging: Staging, *, direct: bool, checksum: str = "xxh3_128"
+        self,
+        path: Path,
+        io: ThreadPoolExecutor,
+        staging: Staging,
+        *,
+        direct: bool,
+        checksum: str = "xxh3_128",
+        drops: ThreadPoolExecutor | None = None,
     ) -> None:
         self._path = path
         self._fd, self._direct = open_for_writing(path, direct)
         self._writeback = _WRITEBACK
         self._io = io
+        self._drops = drops or io
         self._buffers = staging.views
         self._writes: list[Future[None] | None] = [None] * len(self._buffers)  # each buffer's write in flight
         self._hash = digest(checksum)()
@@ -192,6 +207,10 @@ class DurableWriter:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         size = view.nbytes
+        if size >= FROM_CALLER_BYTES and not self._direct:
+            self._write_from_caller(view)
+            self.bytes += size
+            return size
         done = 0
         while done < size:
             buffer = self._buffers[self._current]
@@ -204,6 +223,29 @@ class DurableWriter:
                 self._wait_for_write(self._current)
         self.bytes += size
         return size
+
+    def _write_from_caller(self, view: memoryview) -> None:
+        """Through the page cache, a large piece (a tensor's storage) goes to the kernel straight from
+        torch's memory, in ``BUFFER_BYTES`` slices on the I/O thread, each hashed here while the one
+        before it is written: the kernel's copy into the page cache is the only copy, where the
+        staging buffers would add one of their own (200 MB: ~25 ms here). It returns once every
+        slice is written, so torch may reuse the memory as before. ``O_DIRECT`` needs aligned
+        memory, so it keeps the staging buffers."""
+        if self._filled:
+            self._send()  # what is staged goes first: the sum and the file stay in order
+            self._wait_for_write(self._current)  # the next buffer is free before anything fills it
+        writes = []
+        try:
+            for start in range(0, view.nbytes, BUFFER_BYTES):
+                piece = view[start : start + BUFFER_BYTES]
+                self._hash.update(piece)
+                writes.append(self._io.submit(self._write_at, piece, self._offset))
+                self._offset += piece.nbytes
+        finally:
+            errors = [write.exception() for write in writes]  # every slice is done with torch's memory
+        for error in errors:
+            if error is not None:
+                raise error
 
     def _send(self) -> None:
         """Hash the current buffer and write it in the background, then move on to the next one."""
@@ -277,12 +319,14 @@ class DurableWriter:
         if self._direct or self._writeback is None:
             os.close(self._fd)
         else:  # durable now; dropping its clean pages (~12 ms per 200 MB) need not delay the save
-            self._io.submit(self._drop_pages_and_close)
+            self._drops.submit(self._drop_pages_and_close)
         return {"bytes": self.bytes, "digest": str(self._hash.hexdigest())}
 
     def _drop_pages_and_close(self) -> None:
-        """On the I/O thread, after the save: the file's pages are clean, so this drops them from
-        the page cache, leaving it to the training data."""
+        """On ``drops``' thread (the store's own: on the I/O thread the next file's first write
+        would wait ~12 ms per 200 MB behind it, which a save of one large file and a small one paid
+        in full), once the file is durable: its pages are clean, so this drops them from the page
+        cache, leaving it to the training data."""
         try:
             self._start_writeback(0, 0)
         finally:
@@ -293,6 +337,22 @@ class DurableWriter:
             if write is not None:
                 write.exception()
         os.close(self._fd)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """About how many bytes ``torch.save(obj)`` writes: its tensors' storages (whole: a view's
+    storage is saved whole), through dicts, lists and tuples; the rest is small. Tied tensors
+    count twice: an estimate, to choose a file's way of writing before it is written."""
+    if isinstance(obj, torch.Tensor):
+        try:
+            return int(obj.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):  # tensors without storage of their own (DTensor)
+            return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(value) for value in obj)
+    return 0
 
 
 def rehearse() -> None:

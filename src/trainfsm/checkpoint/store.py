@@ -60,6 +60,7 @@ from trainfsm.checkpoint.io import (
     fsync_dir,
     rehearse,
     serialize,
+    tensor_bytes,
     write_durable,
 )
 from trainfsm.checkpoint.manifest import (
@@ -119,7 +120,8 @@ class CheckpointStore:
 
     Files go through the page cache with each 4 MiB's writeback started at once, or past it with
     ``O_DIRECT``: ``direct_io="auto"`` (the default) measures both on the store's file system in
-    ``prepare`` and uses the faster (``trainfsm.checkpoint.writemode``); ``True``/``False`` forces one.
+    ``prepare`` and uses the faster for each file's size (``trainfsm.checkpoint.writemode``);
+    ``True``/``False`` forces one.
     A store holds ``BUFFERS`` x ``BUFFER_BYTES`` of staging memory from ``prepare`` (or its first
     save) until ``close``.
     """
@@ -130,13 +132,15 @@ class CheckpointStore:
         self.direct_io = self._mode.setting
         self.checksum = check_checksum("CheckpointStore", checksum)
         self._io: ThreadPoolExecutor | None = None
+        self._drops: ThreadPoolExecutor | None = None  # drops written files' clean pages, off the save's path
         self._staging: Staging | None = None
         self._saving = threading.Lock()  # one save at a time: they share the staging buffers
         #: Whether every file of the last save was written past the page cache (O_DIRECT), and the
         #: choice it was written with (the ``checkpoint_saved`` event says both). The shards of a
         #: sharded save are written by DCP, through the page cache.
         self.wrote_directly = False
-        self.written_with: Choice | None = None
+        self.written_with: Choice | None = None  # the way the last save's largest file was written, and why
+        self._file_bytes: dict[str, int] = {}  # each file's size at the last save: how its next one is written
         # Pointers to move with a later save (point_when_saved): pointer -> first step it may name.
         # Registered on the training thread, applied on the one that saves (an async writer).
         self._due: dict[str, int] = {}
@@ -144,9 +148,10 @@ class CheckpointStore:
 
     def close(self) -> None:
         self._mode.close()
-        if self._io is not None:
-            self._io.shutdown(wait=True)
-        self._io = None
+        for pool in (self._io, self._drops):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._io = self._drops = None
         self._staging = None
 
     # ------------------------------------------------------------------ saving
@@ -162,7 +167,9 @@ class CheckpointStore:
         started = time.perf_counter()
         if self._io is None or self._staging is None:
             self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="trainfsm-ckpt-io")
-            self._io.submit(lambda: None).result()  # a pool starts its thread at its first task
+            self._drops = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-ckpt-drop")
+            for pool in (self._io, self._drops):
+                pool.submit(lambda: None).result()  # a pool starts its thread at its first task
             self._staging = Staging()
             digest(self.checksum)  # imports xxhash
             rehearse()
@@ -179,7 +186,8 @@ class CheckpointStore:
 
     @property
     def mode(self) -> Choice | None:
-        """How the next save writes its files, and why (None before ``prepare``)."""
+        """How the last file was written, and why; before the first save, how a file of unknown
+        size would be (None before ``prepare``). ``written_with``: the last save's largest file's."""
         return self._mode.choice
 
     def begin(self, step: int) -> Path:
@@ -240,17 +248,21 @@ class CheckpointStore:
         self.prepare()
         assert self._io is not None and self._staging is not None
         files: dict[str, dict[str, Any]] = {}
-        total = 0
+        total = largest = 0
         direct = True
         self.written_with = self._mode.choice
-        writing = time.perf_counter()
         for stem, obj in parts.items():
+            # Each file its own way, by its size: its size last time, or its tensors' bytes.
+            expected = self._file_bytes.get(stem)
+            choice = self._mode.for_file(tensor_bytes(obj) if expected is None else expected)
+            writing = time.perf_counter()
             writer = DurableWriter(
                 tmp / f"{stem}.pt",
                 self._io,
                 self._staging,
-                direct=self._mode.direct,
+                direct=choice.direct,
                 checksum=self.checksum,
+                drops=self._drops,
             )
             try:
                 serialize(obj, writer)
@@ -258,9 +270,12 @@ class CheckpointStore:
             except BaseException:
                 writer.abort()
                 raise
+            self._mode.after_write(writer.direct, writer.bytes, time.perf_counter() - writing)  # how fast
+            self._file_bytes[stem] = writer.bytes
+            if writer.bytes >= largest:
+                largest, self.written_with = writer.bytes, choice
             total += writer.bytes
             direct = direct and writer.direct
-        self._mode.after_save(direct, total, time.perf_counter() - writing)  # how fast this way wrote them
         for relative, entry in (written or {}).items():
             file = tmp / relative
             size = file.stat().st_size if file.is_file() else None

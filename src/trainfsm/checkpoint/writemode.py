@@ -11,16 +11,20 @@ slower for files of a GB. So with ``direct_io="auto"`` (the default) the store m
   each way, in the order page cache, ``O_DIRECT``, ``O_DIRECT``, page cache (so that a disk
   speeding up or slowing down meanwhile favours neither), each written by the store's own writer
   (its staging buffers and I/O thread, a checksum on the way) and fsynced, then deleted. A way's
-  rate is its bytes over its seconds, fsyncs included. The first save is written the way that
-  probed faster, the page cache's rate taken at ``1 / PAGE_CACHE_FLATTERY`` (caches absorb a
-  probe's small files, not a large checkpoint). The probe files are named like a save's temporary
-  directory, so a crash that leaves one is cleaned up in RESTORE;
-- **the saves themselves**: each save of ``RATED_BYTES`` or more counts for the way it was written
-  (its files' bytes and the seconds from serializing the first to the fsync of the last; a way's
-  rate is the bytes over the seconds of its last ``SAVES_KEPT`` saves).
-  When that is below the other way's probe, the next save tries the other way; once saves of both
-  ways are known, the faster of them is used. A save's rate is what counts: a probe's small files
-  may flatter a way that a large checkpoint does not;
+  rate is its faster file's (a hiccup of the disk only slows a file down). The probe's files are
+  named like a save's temporary directory, so a crash that leaves one is cleaned up in RESTORE;
+- **per file, by its size**: a file without saves of its size yet is written the way that probed
+  faster, the page cache's rate taken at ``1 / PAGE_CACHE_FLATTERY`` for files larger than
+  ``PAGE_CACHE_BURST_BYTES`` (the host's and the device's caches absorb tens or hundreds of MB, not
+  a GB: here files of 200 MB went through the page cache at the floor's pace, 1 GB ones had a tail
+  up to 4x). A file's size is the last one of its name (``model``, ``training_state``), or at its
+  first save its tensors' bytes;
+- **the saves themselves**: each file of ``RATED_BYTES`` or more counts for its way and its size
+  (within a factor of two: ``size_class``): its bytes and the seconds from serializing it to its
+  fsync; a way's rate at a size is the bytes over the seconds of its last ``SAVES_KEPT`` files.
+  When that is below the other way's probe, the next file of that size tries the other way; once
+  both ways have files of that size, the faster is used. A save's rate is what counts: a probe's
+  small files may flatter a way that a large checkpoint does not;
 - **a re-check, now and then**: saves' rates count for ``RECHECK_SECONDS``, and the probe runs
   again on a thread of its own after a save once it is that old, holding the store's save lock (a
   save that comes meanwhile waits for it). A way in use is left only for one faster by more than
@@ -33,7 +37,8 @@ slower for files of a GB. So with ``direct_io="auto"`` (the default) the store m
 writes through the page cache, and says so (``chosen_by="O_DIRECT refused"``). Each choice is in
 the trail: ``checkpoint_store_ready`` and every ``checkpoint_saved`` carry ``direct_io``,
 ``chosen_by`` and ``rates`` (GB/s, ``probe`` and ``saves``, each ``page_cache`` and ``o_direct``;
-null where not measured, and when forced).
+null where not measured, and when forced). A save's ``chosen_by`` and ``rates`` are its largest
+file's, the rates from saves those of that file's size.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ SWITCH_MARGIN: Final = 1.10
 # (issue 35): 32 MiB probes gave the page cache 1.3-1.4x O_DIRECT's rate, while 1 GB writes went
 # 2x faster with O_DIRECT (0.45 against 0.87 s, medians; through the page cache 0.29-2.4 s).
 PAGE_CACHE_FLATTERY: Final = 1.5
+# Files up to this size take the page cache's probe as it is. Measured here (issue 35), files of
+# 200 MiB through the page cache: 0.077 s median against 0.088 s with O_DIRECT (the store's,
+# interleaved rounds); 1 GiB: 0.55 s median but up to 1.7 s, against a steady 0.5-0.7 s O_DIRECT.
+PAGE_CACHE_BURST_BYTES: Final = 512 << 20
 SAVES_KEPT: Final = 4  # per way: a rate is their bytes over their seconds
 RATED_BYTES: Final = 2 * PROBE_BYTES  # a save this large or larger counts as a measurement of its way
 PROBE_PREFIX: Final = ".tmp-probe-"  # store.TMP_PREFIX: leftovers of a crash are removed in RESTORE
@@ -101,15 +110,15 @@ def measure(root: Path, io: ThreadPoolExecutor, staging: Staging) -> dict[str, f
     """GB/s of each way of writing into ``root`` (see the module doc); ``o_direct`` is None where
     the file system refuses it. Leaves no file behind."""
     data = random.Random(0).randbytes(BUFFER_BYTES)  # not zeros, which some storage compresses
-    seconds = {False: 0.0, True: 0.0}
+    seconds: dict[bool, float] = {}
     refused = False
     for direct in (False, True, True, False) * (PROBE_FILES // 2):
         if direct and refused:
             continue
         took, wrote_directly = _probe(root / f"{PROBE_PREFIX}{uuid.uuid4().hex[:8]}", io, staging, direct, data)
-        seconds[direct] += took
+        seconds[direct] = min(took, seconds.get(direct, took))
         refused = refused or (direct and not wrote_directly)
-    written = PROBE_FILES * PROBE_BYTES / 1e9
+    written = PROBE_BYTES / 1e9
     return {
         "page_cache": round(written / seconds[False], 3),
         "o_direct": None if refused else round(written / seconds[True], 3),
@@ -149,15 +158,25 @@ def _way(direct: bool) -> str:
     return "o_direct" if direct else "page_cache"
 
 
+def size_class(nbytes: int) -> int:
+    """Files within a factor of two of each other share their saves' rates (the page cache's rate
+    depends on how much is written at once)."""
+    return max(nbytes, 1).bit_length()
+
+
 class WriteMode:
-    """A store's way of writing: forced by ``direct_io=True``/``False``, or measured ("auto")."""
+    """A store's way of writing: forced by ``direct_io=True``/``False``, or measured ("auto"), per
+    file by its size."""
 
     def __init__(self, owner: str, setting: Any) -> None:
         self.setting = check_direct_io(owner, setting)
-        self.choice: Choice | None = None
+        self.choice: Choice | None = None  # the last file's (before any: a file of unknown size)
         self._probe: dict[str, float | None] = {}
         self._probed_at = 0.0
-        self._saved: dict[bool, deque[tuple[int, float, float]]] = {}  # direct -> (bytes, seconds, when)
+        # size class -> direct -> (bytes, seconds, when) of its last files
+        self._saved: dict[int, dict[bool, deque[tuple[int, float, float]]]] = {}
+        self._current: dict[int, bool] = {}  # size class -> the way its last file was written
+        self._last_bytes: int | None = None
         self._recheck: threading.Thread | None = None
 
     @property
@@ -165,7 +184,8 @@ class WriteMode:
         return self.choice is not None and self.choice.direct
 
     def choose(self, root: Path, io: ThreadPoolExecutor, staging: Staging) -> Choice:
-        """The way to write into ``root`` (an existing directory): made once, in ``prepare``."""
+        """The way to write into ``root`` (an existing directory), a file of unknown size (taken as
+        a large one): made once, in ``prepare``, which measures (or learns that a way is forced)."""
         if self.choice is None:
             self.choice = self._first_choice(root, io, staging)
         return self.choice
@@ -190,27 +210,41 @@ class WriteMode:
         with _probed_lock:
             _probed[device] = (self._probe, self._probed_at)
 
-    def after_save(self, direct: bool, nbytes: int, seconds: float) -> None:
-        """A save wrote ``nbytes`` of files in ``seconds`` (serializing included) the ``direct`` way:
-        from a size where fixed costs no longer hide the rate on, it counts ("auto" only)."""
-        if self.setting == "auto" and nbytes >= RATED_BYTES and seconds > 0:
-            self._saved.setdefault(direct, deque(maxlen=SAVES_KEPT)).append((nbytes, seconds, time.monotonic()))
-            self.choice = self._decide(direct)
+    def for_file(self, nbytes: int) -> Choice:
+        """The way to write a file of about ``nbytes`` (after ``choose``)."""
+        assert self.choice is not None, "choose() first (CheckpointStore.prepare)"
+        if self.setting == "auto" and self._probe.get("o_direct") is not None:
+            self._last_bytes = nbytes
+            self.choice = self._decide(nbytes)
+        return self.choice
 
-    def _decide(self, current: bool | None) -> Choice:
-        """The way for the next save, written last ``current`` (None before the first save).
+    def after_write(self, direct: bool, nbytes: int, seconds: float) -> None:
+        """A file of ``nbytes`` was written in ``seconds`` (serializing included) the ``direct``
+        way: from a size where fixed costs no longer hide the rate on, it counts ("auto" only)."""
+        if self.setting != "auto":
+            return
+        size = size_class(nbytes)
+        self._current[size] = direct  # the way in use at this size, which keeps its place within noise
+        if nbytes >= RATED_BYTES and seconds > 0:
+            ways = self._saved.setdefault(size, {})
+            ways.setdefault(direct, deque(maxlen=SAVES_KEPT)).append((nbytes, seconds, time.monotonic()))
 
-        Saves of both ways (the last ``SAVES_KEPT`` of each, at most ``RECHECK_SECONDS`` old): the
-        faster of them. Saves of the way in use only: the other way is tried for one save when its
-        probe is faster than these saves (a probe's small files may flatter a way that large ones do
-        not: the saves are what counts). No saves yet: the faster probe. The page cache's probe is
-        taken at ``1 / PAGE_CACHE_FLATTERY`` of its rate; a way in use keeps its place unless the
-        other is faster by ``SWITCH_MARGIN``, so that noise does not flip it back and forth.
+    def _decide(self, nbytes: int | None) -> Choice:
+        """The way for a file of ``nbytes`` (None: unknown, taken as a large one).
+
+        Files of its size (the last ``SAVES_KEPT`` of each way, at most ``RECHECK_SECONDS`` old)
+        written both ways: the faster of them. Written one way only: the other way is tried for one
+        file when its probe is faster than these files (a probe's small files may flatter a way that
+        large ones do not: the saves are what counts). None yet: the faster probe. The page cache's
+        probe is taken at ``1 / PAGE_CACHE_FLATTERY`` of its rate above ``PAGE_CACHE_BURST_BYTES``;
+        a way in use keeps its place unless the other is faster by ``SWITCH_MARGIN``, so that noise
+        does not flip it back and forth.
         """
+        size = None if nbytes is None else size_class(nbytes)
         now = time.monotonic()
         saved = {}
-        for direct, saves in self._saved.items():
-            fresh = [(nbytes, seconds) for nbytes, seconds, at in saves if now - at < RECHECK_SECONDS]
+        for direct, files in self._saved.get(size, {}).items() if size is not None else ():
+            fresh = [(n, seconds) for n, seconds, at in files if now - at < RECHECK_SECONDS]
             if fresh:
                 saved[direct] = round(sum(n for n, _ in fresh) / sum(s for _, s in fresh) / 1e9, 3)
         rates = {"probe": self._probe, "saves": {_way(d): saved.get(d) for d in (False, True)}}
@@ -218,7 +252,9 @@ class WriteMode:
         if probe_direct is None:
             return Choice(False, "O_DIRECT refused", rates)
         assert probe_page is not None
-        probe_page /= PAGE_CACHE_FLATTERY  # what a checkpoint may expect of it, at best
+        if nbytes is None or nbytes > PAGE_CACHE_BURST_BYTES:
+            probe_page /= PAGE_CACHE_FLATTERY  # what a large file may expect of it, at best
+        current = None if size is None else self._current.get(size)
         if current is None:
             return Choice(probe_direct > probe_page, "measurement", rates)
         other = not current
@@ -245,7 +281,7 @@ class WriteMode:
             try:
                 with saving:  # the staging buffers and the I/O thread are the saves'
                     self._run_probe(root.stat().st_dev, root, io, staging)
-                    self.choice = self._decide(self.direct)
+                    self.choice = self._decide(self._last_bytes)
             except Exception:  # a failed probe (a full disk) changes nothing; the saves will say more
                 pass
 

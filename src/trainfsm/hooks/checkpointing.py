@@ -63,9 +63,10 @@ class CheckpointingHook(BaseHook):
     data can do) or ``"sha256"``. Loading verifies with whichever one a checkpoint's manifest names.
 
     ``direct_io``: how checkpoint files reach the disk. ``"auto"`` (default) measures both ways on
-    the checkpoint's file system and uses the faster: a probe of 128 MiB in RESTORE decides the first
-    save, the saves' own rates the later ones (a save tries the other way when its own rate is below
-    that way's probe), re-checked every ten minutes. ``False`` forces the page cache, each 4 MiB's
+    the checkpoint's file system and uses the faster, per file by its size: a probe of 128 MiB in
+    RESTORE decides a file of a size not saved yet, the rates of saved files of its size the later
+    ones (a file tries the other way when its size's rate is below that way's probe), re-checked
+    every ten minutes. ``False`` forces the page cache, each 4 MiB's
     writeback started as soon as it is written and the pages dropped after the fsync; ``True``
     forces ``O_DIRECT`` (past the page cache). Where the file system refuses ``O_DIRECT`` the files go
     through the page cache. ``checkpoint_store_ready`` and ``checkpoint_saved`` record the choice,

@@ -166,8 +166,9 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     "checkpoint_saved": (
         "`path`, `saved_step`, `bytes`, `seconds`, `checksum` (of the manifest), `kept`, `asynchronous` "
         "(+ `blocked_seconds`), `sharded`, `direct_io` (its files went past the page cache), `chosen_by` and "
-        "`rates` (why it wrote that way, as in `checkpoint_store_ready`; `chosen_by` may also be `saves`: the "
-        "faster by earlier saves' rates, or `trying the other way`: for one save), `data` (the data "
+        "`rates` (why its largest file was written that way, as in `checkpoint_store_ready`; `chosen_by` may "
+        "also be `saves`: the faster by earlier files of its size, or `trying the other way`: for one file; "
+        "`rates.saves` are of files of its size), `data` (the data "
         "positions saved: `{epoch, batches}` when every rank's is the same, else `{ranks: [[epoch, batches], "
         "...]}`; null when unknown)",
         "a checkpoint is durable",
@@ -197,7 +198,8 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     "checkpoint_pruned": ("`paths`", "old checkpoints deleted after a save"),
     "checkpoint_tmp_removed": ("`names`", "leftovers of an interrupted save deleted in RESTORE"),
     "checkpoint_store_ready": (
-        "`seconds`, `direct_io` (the way the first save will write: past the page cache or through it), "
+        "`seconds`, `direct_io` (the way a file of unknown size, taken as a large one, would be written: "
+        "past the page cache or through it; each file's way is chosen by its size when it is saved), "
         "`chosen_by` (`measurement`, `direct_io=True`, `direct_io=False`, or `O_DIRECT refused`: the file system "
         "refused it), `rates` (GB/s measured on the checkpoint's file system: `probe` and, later, `saves`, each "
         "with `page_cache` and `o_direct`, null where not measured; null when forced)",
