@@ -14,7 +14,8 @@
    first): ``CheckpointingHook`` on a trainer with plain SGD (no optimizer state) and one with SGD +
    momentum (the same model: twice the bytes, in files of the same size), both saving at every step,
    and one with momentum and ``async_save=True`` saving every third step; the three trainers round
-   by round in a rotated order, each saving ``--saves`` times. A save is timed from outside: the
+   by round in a rotated order, each saving ``--saves`` times, each started on a settled disk
+   (``os.sync()`` and ``SETTLE_SECONDS``, as a run's start gives it). A save is timed from outside: the
    wall time of the hook's CHECKPOINT entry (``trainer.state_dict()``, the write, pruning), plus for
    an asynchronous save the waits before the optimizer steps after it (its copies). Targets: plain
    SGD's later saves <= 1.05 x momentum's (totals, per byte); first saves <= 1.2 x later saves
@@ -193,6 +194,19 @@ class BigTrainer(BaseTrainer):
         return self.model(input).square().mean(), {}  # type: ignore[misc]
 
 
+#: Seconds each trainer waits before it starts (after ``os.sync()``): a run's start (imports, BUILD,
+#: RESTORE) gives the disk seconds before its first save. Without it, a trainer's first save paid
+#: for the writes of the trainer before: here, 0.33-0.41 s for 200 MB through the page cache right
+#: after momentum's 400 MB saves, 0.10 s after the asynchronous trainer's, against 0.15 s for the
+#: later saves (medians).
+SETTLE_SECONDS = 2.0
+
+
+def settle(seconds: float) -> None:
+    os.sync()
+    time.sleep(seconds)
+
+
 def one_trainer(directory: Path, megabytes: int, kind: str, saves: int) -> dict[str, Any]:
     """Train one trainer of ``kind`` until it has saved ``saves`` times; its saves' seconds."""
     momentum = 0.0 if kind == "plain SGD" else 0.9
@@ -219,19 +233,20 @@ def one_trainer(directory: Path, megabytes: int, kind: str, saves: int) -> dict[
     return {"seconds": blocked, "bytes": saved[-1]["bytes"], "direct_io": saved[-1]["direct_io"]}
 
 
-def hook_child(directory: Path, megabytes: int, rounds: int, saves: int) -> None:
+def hook_child(directory: Path, megabytes: int, rounds: int, saves: int, pause: float) -> None:
     torch.set_num_threads(1)
     kinds = ["momentum", "plain SGD", "async"]
     runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     for round_ in range(rounds):
         for kind in kinds[round_ % 3 :] + kinds[: round_ % 3]:
+            settle(pause)
             runs[kind].append(one_trainer(directory, megabytes, kind, saves))
     print(json.dumps({"order": [kinds[r % 3 :] + kinds[: r % 3] for r in range(rounds)], "runs": runs}))
 
 
-def through_the_hook(directory: Path, megabytes: int, rounds: int, saves: int) -> dict[str, Any]:
+def through_the_hook(directory: Path, megabytes: int, rounds: int, saves: int, pause: float) -> dict[str, Any]:
     command = [sys.executable, __file__, "--hook-child", str(megabytes), "--rounds", str(rounds)]
-    command += ["--saves", str(saves), "--dir", str(directory)]
+    command += ["--saves", str(saves), "--dir", str(directory), "--settle", str(pause)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the hook's child process failed:\n{done.stderr}")
@@ -307,21 +322,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of each kind per size")
     parser.add_argument("--saves", type=int, default=4, help="saves per trainer through the hook (the first included)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: the temp dir)")
-    parser.add_argument("--quick", action="store_true", help="16 MB, 2 rounds: a smoke run (no verdict)")
+    parser.add_argument(
+        "--settle", type=float, default=SETTLE_SECONDS, help="seconds each trainer waits, after os.sync(), to start"
+    )
+    parser.add_argument("--quick", action="store_true", help="16 MB, 2 rounds, no settling: a smoke run (no verdict)")
     parser.add_argument("--hook-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hook_child is not None:
-        hook_child(args.dir, args.hook_child, args.rounds, args.saves)
+        hook_child(args.dir, args.hook_child, args.rounds, args.saves, args.settle)
         return
     if args.quick:
-        args.sizes, args.rounds, args.saves = [16], 2, 3
+        args.sizes, args.rounds, args.saves, args.settle = [16], 2, 3, 0.0
     torch.set_num_threads(1)
     base = args.dir or Path(tempfile.gettempdir())
     figures: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(dir=base) as tmp:
         for megabytes in args.sizes:
             figures[megabytes] = compare_sync(Path(tmp), megabytes, args.rounds)
-            figures[megabytes].update(through_the_hook(Path(tmp), megabytes, args.rounds, args.saves))
+            figures[megabytes].update(through_the_hook(Path(tmp), megabytes, args.rounds, args.saves, args.settle))
     if args.quick:
         print("\nquick smoke run: 16 MB, where fixed costs (several fsyncs) dominate, and 2 rounds; no verdict")
         return

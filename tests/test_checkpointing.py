@@ -619,6 +619,50 @@ def test_through_the_page_cache_a_tensor_goes_to_the_kernel_from_torchs_memory(t
     assert staged < 1 << 20  # the pickle and the zip's headers (a few kB); not the 12 MB tensor
 
 
+@pytest.mark.parametrize("piece", [FROM_CALLER_BYTES, FROM_CALLER_BYTES // 2], ids=["from torch's memory", "staged"])
+def test_a_piece_is_hashed_while_the_io_thread_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int
+) -> None:
+    # The sum is not on the disk's path: the write is queued first, then the same bytes are hashed.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    disk, writing = threading.Event(), threading.Event()
+    pwrite = os.pwrite
+    seen: list[bool] = []
+
+    def stalled(fd: int, data: Any, offset: int) -> int:
+        writing.set()
+        disk.wait(timeout=30)
+        return pwrite(fd, data, offset)
+
+    class Spy:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def update(self, data: Any) -> None:
+            seen.append(writing.wait(timeout=2))  # its write already on the I/O thread?
+            disk.set()
+            self.inner.update(data)
+
+        def hexdigest(self) -> str:
+            return str(self.inner.hexdigest())
+
+    monkeypatch.setattr(os, "pwrite", stalled)
+    data = os.urandom(BUFFER_BYTES)
+    with ThreadPoolExecutor(1) as io:
+        writer = DurableWriter(tmp_path / "f", io, Staging(), direct=False)
+        writer._hash = Spy(writer._hash)
+        try:
+            for start in range(0, len(data), piece):
+                writer.write(data[start : start + piece])
+            entry = writer.finish()
+        finally:
+            disk.set()
+    assert seen and seen[0]  # the first bytes hashed were being written already
+    assert (tmp_path / "f").read_bytes() == data and entry == {"bytes": len(data), "digest": file_sum(data)}
+
+
 def test_a_save_does_not_wait_for_its_files_pages_to_be_dropped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

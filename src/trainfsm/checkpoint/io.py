@@ -226,9 +226,9 @@ class DurableWriter:
 
     def _write_from_caller(self, view: memoryview) -> None:
         """Through the page cache, a large piece (a tensor's storage) goes to the kernel straight from
-        torch's memory, in ``BUFFER_BYTES`` slices on the I/O thread, each hashed here while the one
-        before it is written: the kernel's copy into the page cache is the only copy, where the
-        staging buffers would add one of their own (200 MB: ~25 ms here). It returns once every
+        torch's memory, in ``BUFFER_BYTES`` slices on the I/O thread, each hashed here while it is
+        written: the kernel's copy into the page cache is the only copy, where the staging buffers
+        would add one of their own (200 MB: ~25 ms here). It returns once every
         slice is written, so torch may reuse the memory as before. ``O_DIRECT`` needs aligned
         memory, so it keeps the staging buffers."""
         if self._filled:
@@ -238,9 +238,9 @@ class DurableWriter:
         try:
             for start in range(0, view.nbytes, BUFFER_BYTES):
                 piece = view[start : start + BUFFER_BYTES]
-                self._hash.update(piece)
                 writes.append(self._io.submit(self._write_at, piece, self._offset))
                 self._offset += piece.nbytes
+                self._hash.update(piece)  # while the I/O thread writes it
         finally:
             errors = [write.exception() for write in writes]  # every slice is done with torch's memory
         for error in errors:
@@ -248,10 +248,10 @@ class DurableWriter:
                 raise error
 
     def _send(self) -> None:
-        """Hash the current buffer and write it in the background, then move on to the next one."""
+        """Write the current buffer in the background and hash it meanwhile (both only read it),
+        then move on to the next one."""
         index, length = self._current, self._filled
         buffer = self._buffers[index]
-        self._hash.update(buffer[:length])
         end = -(-length // ALIGN) * ALIGN if self._direct else length
         if end > length:
             buffer[length:end] = bytes(end - length)
@@ -260,6 +260,7 @@ class DurableWriter:
         self._offset += length
         self._current = (index + 1) % len(self._buffers)
         self._filled = 0
+        self._hash.update(buffer[:length])
 
     def _wait_for_write(self, index: int) -> None:
         write, self._writes[index] = self._writes[index], None
