@@ -194,11 +194,10 @@ class BigTrainer(BaseTrainer):
         return self.model(input).square().mean(), {}  # type: ignore[misc]
 
 
-#: Seconds each trainer waits before it starts (after ``os.sync()``): a run's start (imports, BUILD,
-#: RESTORE) gives the disk seconds before its first save. Without it, a trainer's first save paid
-#: for the writes of the trainer before: here, 0.33-0.41 s for 200 MB through the page cache right
-#: after momentum's 400 MB saves, 0.10 s after the asynchronous trainer's, against 0.15 s for the
-#: later saves (medians).
+#: Seconds each trainer waits before it starts (after ``os.sync()``): a run's first save comes
+#: seconds after its start. On a virtual machine that hands free memory back to its host, a
+#: page-cache write after a pause first waits for the host to give pages back (200 MB: 0.42 s after
+#: 4 s idle against 0.067 s back to back); trainers started back to back would hide that.
 SETTLE_SECONDS = 2.0
 
 

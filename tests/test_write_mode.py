@@ -76,34 +76,30 @@ def test_restore_measures_both_ways_and_the_trail_says_which_it_chose(
     rates = ready["rates"]["probe"]
     if o_direct_works(tmp_path):
         assert ready["chosen_by"] == "measurement" and rates["page_cache"] > 0 and rates["o_direct"] > 0
-        # For a file of unknown size (taken as a large one) the page cache's probe counts at
-        # 1 / PAGE_CACHE_FLATTERY (32 MiB flatter it); the tiny trainer's files take it as it is.
+        # The page cache's probe counts at 1 / PAGE_CACHE_FLATTERY (back-to-back 32 MiB flatter it).
         assert ready["direct_io"] == (rates["o_direct"] > rates["page_cache"] / writemode.PAGE_CACHE_FLATTERY)
-        small_files_direct = rates["o_direct"] > rates["page_cache"]
     else:
         assert ready["chosen_by"] == "O_DIRECT refused" and rates["o_direct"] is None and not ready["direct_io"]
-        small_files_direct = False
     saved = named(events, "checkpoint_saved")
     # Saves of a few bytes say nothing of a way's rate (fixed costs): the probe's choice stands.
     assert [(e["direct_io"], e["chosen_by"], e["rates"]) for e in saved] == [
-        (small_files_direct, ready["chosen_by"], ready["rates"])
+        (ready["direct_io"], ready["chosen_by"], ready["rates"])
     ] * 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "latest"]  # no probe file left
 
 
 @pytest.mark.parametrize(
-    ("rates", "large", "small"),
+    ("rates", "direct"),
     [
-        ({"page_cache": 1.0, "o_direct": 1.2}, True, True),
-        ({"page_cache": 2.0, "o_direct": 1.2}, False, False),
-        # A probe's small files flatter the page cache for a large file (or one of unknown size, as in
-        # RESTORE): it must be faster by PAGE_CACHE_FLATTERY there; a small file takes it as it is.
-        ({"page_cache": 1.6, "o_direct": 1.2}, True, False),
+        ({"page_cache": 1.0, "o_direct": 1.2}, True),
+        ({"page_cache": 2.0, "o_direct": 1.2}, False),
+        # A probe's back-to-back files flatter the page cache: it must be faster by PAGE_CACHE_FLATTERY.
+        ({"page_cache": 1.6, "o_direct": 1.2}, True),
     ],
     ids=["o-direct-faster", "page-cache-faster", "page-cache-flattered"],
 )
 def test_the_store_writes_the_way_measured_faster(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rates: dict[str, float], large: bool, small: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rates: dict[str, float], direct: bool
 ) -> None:
     if not o_direct_works(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
@@ -111,23 +107,18 @@ def test_the_store_writes_the_way_measured_faster(
     events = train(tmp_path)
     assert asked == [tmp_path / "checkpoints"]  # the checkpoint's own file system
     (ready,) = named(events, "checkpoint_store_ready")
-    expected = (large, "measurement", {"probe": rates, "saves": NO_SAVES})
+    expected = (direct, "measurement", {"probe": rates, "saves": NO_SAVES})
     assert (ready["direct_io"], ready["chosen_by"], ready["rates"]) == expected
-    assert [e["direct_io"] for e in named(events, "checkpoint_saved")] == [small] * 2
-    mode = writemode.WriteMode("CheckpointStore", "auto")
-    mode._probe = rates
-    mode.choice = writemode.Choice(large, "measurement")
-    burst = writemode.PAGE_CACHE_BURST_BYTES
-    assert (mode.for_file(burst).direct, mode.for_file(burst + 1).direct) == (small, large)
+    assert [e["direct_io"] for e in named(events, "checkpoint_saved")] == [direct] * 2
 
 
 def test_each_size_of_file_has_its_own_saves_rates(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The page cache took 200 MB files at the floor's pace and 1 GB ones with a long tail.
+    # Back to back, the page cache took 200 MB files at the floor's pace and 1 GB ones with a long tail.
     mode = writemode.WriteMode("CheckpointStore", "auto")
-    mode._probe = {"page_cache": 2.0, "o_direct": 1.5}
-    mode.choice = writemode.Choice(True, "measurement")
+    mode._probe = {"page_cache": 3.0, "o_direct": 1.5}
+    mode.choice = writemode.Choice(False, "measurement")
     mb, gb = 200 << 20, 1 << 30
-    assert (mode.for_file(mb).direct, mode.for_file(gb).direct) == (False, True)  # 2.0 | 2.0 / 1.5 against 1.5
+    assert (mode.for_file(mb).direct, mode.for_file(gb).direct) == (False, False)  # 3.0 / 1.5 against 1.5
     mode.after_write(False, mb, mb / 2.5e9)  # 2.5 GB/s through the page cache at 200 MB
     mode.after_write(True, gb, gb / 1.0e9)  # 1.0 GB/s with O_DIRECT at 1 GB: below the page cache's probe
     at_200, at_1g = mode.for_file(mb), mode.for_file(gb)

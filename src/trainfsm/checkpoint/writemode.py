@@ -14,11 +14,13 @@ slower for files of a GB. So with ``direct_io="auto"`` (the default) the store m
   rate is its faster file's (a hiccup of the disk only slows a file down). The probe's files are
   named like a save's temporary directory, so a crash that leaves one is cleaned up in RESTORE;
 - **per file, by its size**: a file without saves of its size yet is written the way that probed
-  faster, the page cache's rate taken at ``1 / PAGE_CACHE_FLATTERY`` for files larger than
-  ``PAGE_CACHE_BURST_BYTES`` (the host's and the device's caches absorb tens or hundreds of MB, not
-  a GB: here files of 200 MB went through the page cache at the floor's pace, 1 GB ones had a tail
-  up to 4x). A file's size is the last one of its name (``model``, ``training_state``), or at its
-  first save its tensors' bytes;
+  faster, the page cache's rate taken at ``1 / PAGE_CACHE_FLATTERY``. A probe's files are written
+  back to back; a checkpoint's come minutes apart, and on a virtual machine that hands free memory
+  back to its host (virtio-balloon free page reporting, as here) a page-cache write after a pause
+  first waits for the host to give the pages back: 200 MB took 0.42 s through the page cache after
+  4 s idle against 0.067 s back to back, while ``O_DIRECT`` took 0.085 against 0.079 s (medians of
+  five). A file's size is the last one of its name (``model``, ``training_state``), or at its first
+  save its tensors' bytes;
 - **the saves themselves**: each file of ``RATED_BYTES`` or more counts for its way and its size
   (within a factor of two: ``size_class``): its bytes and the seconds from serializing it to its
   fsync; a way's rate at a size is the bytes over the seconds of its last ``SAVES_KEPT`` files.
@@ -71,10 +73,6 @@ SWITCH_MARGIN: Final = 1.10
 # (issue 35): 32 MiB probes gave the page cache 1.3-1.4x O_DIRECT's rate, while 1 GB writes went
 # 2x faster with O_DIRECT (0.45 against 0.87 s, medians; through the page cache 0.29-2.4 s).
 PAGE_CACHE_FLATTERY: Final = 1.5
-# Files up to this size take the page cache's probe as it is. Measured here (issue 35), files of
-# 200 MiB through the page cache: 0.077 s median against 0.088 s with O_DIRECT (the store's,
-# interleaved rounds); 1 GiB: 0.55 s median but up to 1.7 s, against a steady 0.5-0.7 s O_DIRECT.
-PAGE_CACHE_BURST_BYTES: Final = 512 << 20
 SAVES_KEPT: Final = 4  # per way: a rate is their bytes over their seconds
 RATED_BYTES: Final = 2 * PROBE_BYTES  # a save this large or larger counts as a measurement of its way
 PROBE_PREFIX: Final = ".tmp-probe-"  # store.TMP_PREFIX: leftovers of a crash are removed in RESTORE
@@ -230,15 +228,15 @@ class WriteMode:
             ways.setdefault(direct, deque(maxlen=SAVES_KEPT)).append((nbytes, seconds, time.monotonic()))
 
     def _decide(self, nbytes: int | None) -> Choice:
-        """The way for a file of ``nbytes`` (None: unknown, taken as a large one).
+        """The way for a file of ``nbytes`` (None: a file of unknown size, as in ``prepare``).
 
         Files of its size (the last ``SAVES_KEPT`` of each way, at most ``RECHECK_SECONDS`` old)
         written both ways: the faster of them. Written one way only: the other way is tried for one
         file when its probe is faster than these files (a probe's small files may flatter a way that
         large ones do not: the saves are what counts). None yet: the faster probe. The page cache's
-        probe is taken at ``1 / PAGE_CACHE_FLATTERY`` of its rate above ``PAGE_CACHE_BURST_BYTES``;
-        a way in use keeps its place unless the other is faster by ``SWITCH_MARGIN``, so that noise
-        does not flip it back and forth.
+        probe is taken at ``1 / PAGE_CACHE_FLATTERY`` of its rate; a way in use keeps its place
+        unless the other is faster by ``SWITCH_MARGIN``, so that noise does not flip it back and
+        forth.
         """
         size = None if nbytes is None else size_class(nbytes)
         now = time.monotonic()
@@ -252,8 +250,7 @@ class WriteMode:
         if probe_direct is None:
             return Choice(False, "O_DIRECT refused", rates)
         assert probe_page is not None
-        if nbytes is None or nbytes > PAGE_CACHE_BURST_BYTES:
-            probe_page /= PAGE_CACHE_FLATTERY  # what a large file may expect of it, at best
+        probe_page /= PAGE_CACHE_FLATTERY  # what a checkpoint may expect of it, at best
         current = None if size is None else self._current.get(size)
         if current is None:
             return Choice(probe_direct > probe_page, "measurement", rates)

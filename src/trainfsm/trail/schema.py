@@ -198,8 +198,8 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     "checkpoint_pruned": ("`paths`", "old checkpoints deleted after a save"),
     "checkpoint_tmp_removed": ("`names`", "leftovers of an interrupted save deleted in RESTORE"),
     "checkpoint_store_ready": (
-        "`seconds`, `direct_io` (the way a file of unknown size, taken as a large one, would be written: "
-        "past the page cache or through it; each file's way is chosen by its size when it is saved), "
+        "`seconds`, `direct_io` (the way a file of a size not saved yet will be written: past the page cache "
+        "or through it; each file's way is chosen by its size when it is saved), "
         "`chosen_by` (`measurement`, `direct_io=True`, `direct_io=False`, or `O_DIRECT refused`: the file system "
         "refused it), `rates` (GB/s measured on the checkpoint's file system: `probe` and, later, `saves`, each "
         "with `page_cache` and `o_direct`, null where not measured; null when forced)",
