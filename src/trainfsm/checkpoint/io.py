@@ -168,8 +168,8 @@ class DurableWriter:
       the faster way; the last buffer is padded to ``ALIGN`` bytes and the file cut back to its
       size. Where ``O_DIRECT`` is refused (at ``open`` or at a write) the writer goes on through
       the page cache;
-    - each buffer is hashed, in file order, just before its write is queued: one streaming sum per
-      file;
+    - each buffer (or large piece) is hashed, in file order, just after its write is queued, while
+      the I/O thread writes it: one streaming sum per file;
     - ``write`` is done with the bytes before it returns, so torch may free or reuse what it
       passed (device tensors reach it through temporary host buffers): it copies them into a
       buffer, or, through the page cache, hands a large piece (a tensor's storage) to the kernel

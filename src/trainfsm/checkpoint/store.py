@@ -186,8 +186,8 @@ class CheckpointStore:
 
     @property
     def mode(self) -> Choice | None:
-        """How the last file was written, and why; before the first save, how a file of unknown
-        size would be (None before ``prepare``). ``written_with``: the last save's largest file's."""
+        """How the last file was written, and why; before the first save, how a file of a size not
+        saved yet would be (None before ``prepare``). ``written_with``: the last save's largest file's."""
         return self._mode.choice
 
     def begin(self, step: int) -> Path:

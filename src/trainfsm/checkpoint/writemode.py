@@ -168,7 +168,7 @@ class WriteMode:
 
     def __init__(self, owner: str, setting: Any) -> None:
         self.setting = check_direct_io(owner, setting)
-        self.choice: Choice | None = None  # the last file's (before any: a file of unknown size)
+        self.choice: Choice | None = None  # the last file's (before any: a file of a size not saved yet)
         self._probe: dict[str, float | None] = {}
         self._probed_at = 0.0
         # size class -> direct -> (bytes, seconds, when) of its last files
@@ -177,13 +177,9 @@ class WriteMode:
         self._last_bytes: int | None = None
         self._recheck: threading.Thread | None = None
 
-    @property
-    def direct(self) -> bool:
-        return self.choice is not None and self.choice.direct
-
     def choose(self, root: Path, io: ThreadPoolExecutor, staging: Staging) -> Choice:
-        """The way to write into ``root`` (an existing directory), a file of unknown size (taken as
-        a large one): made once, in ``prepare``, which measures (or learns that a way is forced)."""
+        """The way to write a file of a size not saved yet into ``root`` (an existing directory):
+        made once, in ``prepare``, which measures (or learns that a way is forced)."""
         if self.choice is None:
             self.choice = self._first_choice(root, io, staging)
         return self.choice
@@ -228,7 +224,7 @@ class WriteMode:
             ways.setdefault(direct, deque(maxlen=SAVES_KEPT)).append((nbytes, seconds, time.monotonic()))
 
     def _decide(self, nbytes: int | None) -> Choice:
-        """The way for a file of ``nbytes`` (None: a file of unknown size, as in ``prepare``).
+        """The way for a file of ``nbytes`` (None: of a size not known yet, as in ``prepare``).
 
         Files of its size (the last ``SAVES_KEPT`` of each way, at most ``RECHECK_SECONDS`` old)
         written both ways: the faster of them. Written one way only: the other way is tried for one
