@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests import crashfs
+from trainfsm.checkpoint import store as store_module
 from trainfsm.checkpoint import writemode
 from trainfsm.checkpoint.store import CheckpointError, CheckpointStore
 
@@ -54,25 +55,41 @@ def same(loaded: dict[str, Any], expected: dict[str, Any]) -> bool:
     )
 
 
-@pytest.fixture(scope="module", params=[False, True, "auto"], ids=["page-cache", "o-direct", "chosen"])
+@pytest.fixture(
+    scope="module", params=[False, True, "auto", "recycled"], ids=["page-cache", "o-direct", "chosen", "recycled"]
+)
 def trace(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> crashfs.Trace:
     """The operations of saving step 2 (then pruning step 1) over a store that holds step 1, with
     the writer going through the page cache (``direct_io=False``), past it (``True``, where the
     file system allows it: its last buffer is padded, then the file is cut back), or the way the
     store measured to be faster here (``"auto"``, the default). The store is prepared first, as
-    CheckpointingHook does in RESTORE: the measurement's probe files are not part of a save."""
+    CheckpointingHook does in RESTORE: the measurement's probe files are not part of a save.
+
+    ``"recycled"``: the way measured, and the store also keeps a pruned step 0's files, which the
+    save writes over (moved into its directory, written from the start and cut to size) and
+    ``close`` deletes; every file counts as large enough to recycle."""
+    recycled = request.param == "recycled"
     root = tmp_path_factory.mktemp("store") / "checkpoints"
-    CheckpointStore(root).save(1, parts(1), keep=False)
-    store = CheckpointStore(root, direct_io=request.param)
-    store.prepare()
-
-    def save_and_prune() -> None:
-        store.save(2, parts(2), keep=False)
-        store.prune(0)
-        store.close()
-
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(writemode, "RECHECK_SECONDS", float("inf"))  # no re-check's probe inside the save
+        if recycled:
+            patch.setattr(store_module, "RECYCLED_BYTES", 0)
+            previous = CheckpointStore(root)
+            larger = {"model": {"w": torch.randn(2000)}, "training_state": {"step": 0, "pad": "x" * 3000}}
+            previous.save(0, larger, keep=False)  # both its files are cut back when written over
+            previous.save(1, parts(1), keep=False)
+            previous.prune(0)
+            assert len(list((root / store_module.RECYCLE).iterdir())) == 2
+        else:
+            CheckpointStore(root).save(1, parts(1), keep=False)
+        store = CheckpointStore(root, direct_io="auto" if recycled else request.param)
+        store.prepare()
+
+        def save_and_prune() -> None:
+            store.save(2, parts(2), keep=False)
+            store.prune(0)
+            store.close()
+
         return crashfs.record(root, save_and_prune)
 
 
@@ -114,8 +131,23 @@ def test_the_recorded_save_is_the_protocol(trace: crashfs.Trace) -> None:
     kinds = [op[0] for op in trace.ops]
     assert kinds[0] == "mkdir" and "rename" in kinds and "symlink" in kinds and "rmdir" in kinds
     assert kinds.count("fsync_file") == 3  # model.pt, training_state.pt, manifest.json
-    assert kinds.count("fsync_dir") == 3  # the temporary directory, the root after the rename and after latest
-    assert kinds.index("rename") > max(i for i, k in enumerate(kinds) if k == "fsync_file")
+    recycled = store_module.RECYCLE in trace.initial  # its directory is synced too: files moved out of it
+    assert (
+        kinds.count("fsync_dir") == 3 + recycled
+    )  # the temporary directory, the root after the rename and after latest
+    into_place = [i for i, op in enumerate(trace.ops) if op[0] == "rename" and op[1].startswith(".tmp-2-")]
+    assert len(into_place) == 1 and into_place[0] > max(i for i, k in enumerate(kinds) if k == "fsync_file")
+
+
+def test_a_recycled_save_writes_over_the_pruned_files_and_cuts_them(trace: crashfs.Trace, request: Any) -> None:
+    if "recycled" not in request.node.callspec.id:
+        pytest.skip("the recycled store's trace only")
+    moved = [op for op in trace.ops if op[0] == "rename" and op[1].startswith(".tmp-recycle/")]
+    assert sorted(op[2].rsplit("/", 1)[1] for op in moved) == ["model.pt", "training_state.pt"]
+    assert not [op for op in trace.ops if op[0] == "create" and op[1].endswith(".pt")]  # no new file
+    recycled = {trace.initial[op[1]][1] for op in moved}
+    cut = [op for op in trace.ops if op[0] == "truncate" and op[1] in recycled and op[2] < len(trace.data[op[1]])]
+    assert cut  # step 0's larger model file, cut to the size of what was written over it
 
 
 def test_every_crash_state_of_a_save_loads_the_previous_or_the_new_checkpoint(
@@ -140,13 +172,25 @@ def _fsyncs(trace: crashfs.Trace, kind: str) -> list[int]:
 
 @pytest.mark.parametrize(
     "which",
-    ["model.pt data", "training_state.pt data", "manifest data", "temporary directory", "root, both"],
+    [
+        "model.pt data",
+        "training_state.pt data",
+        "manifest data",
+        "temporary directory",
+        "root, both",
+        "recycled files' directory",
+    ],
 )
 def test_without_any_one_fsync_of_the_protocol_a_crash_state_loses_both_checkpoints(
     trace: crashfs.Trace, tmp_path: Path, which: str
 ) -> None:
     files = _fsyncs(trace, "fsync_file")  # in the order the files are written
     dirs = _fsyncs(trace, "fsync_dir")
+    recycle = trace.initial.get(store_module.RECYCLE)
+    recycle_syncs = {i for i in dirs if recycle is not None and trace.ops[i] == ("fsync_dir", recycle[1])}
+    if which == "recycled files' directory" and not recycle_syncs:
+        pytest.skip("only a save that writes over recycled files syncs their directory")
+    dirs = [i for i in dirs if i not in recycle_syncs]
     dropped = {
         "model.pt data": {files[0]},
         "training_state.pt data": {files[1]},
@@ -155,6 +199,7 @@ def test_without_any_one_fsync_of_the_protocol_a_crash_state_loses_both_checkpoi
         # The root is fsynced after the rename and again after `latest` moves; each covers the
         # rename for the other, so only without both is the new directory's name at risk.
         "root, both": {dirs[1], dirs[2]},
+        "recycled files' directory": recycle_syncs,
     }[which]
     _, bad = failures(_without(trace, lambda index, op: index in dropped), tmp_path, limit=1)
     assert bad, f"no crash state loses both checkpoints without the fsync of the {which}"

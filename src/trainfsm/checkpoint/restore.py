@@ -17,13 +17,14 @@ where stopping loses nothing, rather than at that save.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainfsm import activity, collectives
-from trainfsm.checkpoint.io import hex_of
+from trainfsm.checkpoint.io import hex_of, tensor_bytes
 from trainfsm.checkpoint.manifest import MANIFEST
 from trainfsm.checkpoint.store import TRAINFSM, TRAINLOOP, CheckpointError, CheckpointStore, foreign_in_the_way
 from trainfsm.checkpoint.trainloop import is_trainloop
@@ -51,6 +52,23 @@ def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool | str, check
         assert store.mode is not None
         log.debug("checkpoint_store_ready", seconds=round(seconds, 6), **store.mode.fields())
     return store
+
+
+def reserve_room(trainer: BaseTrainer, store: CheckpointStore, model_state: dict[str, Any]) -> None:
+    """Rank 0, saving whole checkpoints: have the store write, now, files as large as the first
+    save's model and optimizer state (``model_state``, its global shapes: what a full save
+    gathers; the optimizer's state where it has some yet, as after a resume), so that the first
+    save writes over allocated blocks as later ones do (``CheckpointStore.reserve``). The trail
+    says how much and how long (``checkpoint_room_reserved``)."""
+    started = time.perf_counter()
+    optimizer = getattr(trainer, "optimizer", None)
+    sizes = {
+        "model": tensor_bytes(model_state),
+        "training_state": tensor_bytes(optimizer.state_dict()["state"]) if optimizer is not None else 0,
+    }
+    written = store.reserve(sizes)
+    if written:
+        trainer.events.debug("checkpoint_room_reserved", bytes=written, seconds=round(time.perf_counter() - started, 6))
 
 
 def model_shapes(trainer: BaseTrainer) -> dict[str, Any]:

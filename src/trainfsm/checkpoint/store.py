@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import threading
 import time
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm.checkpoint.io import (
+    BUFFER_BYTES,
     IO_THREADS,
     DurableWriter,
     Staging,
@@ -94,6 +96,12 @@ __all__ = [
 
 LATEST: Final = "latest"
 TMP_PREFIX: Final = ".tmp-"
+#: Files smaller than this are neither recycled nor reserved (``CheckpointStore.prune``, ``reserve``):
+#: finding their room costs little, and deleting them too.
+RECYCLED_BYTES: Final = 8 << 20
+#: Where pruned checkpoints' files wait to be overwritten by the next save (``CheckpointStore.prune``):
+#: a temporary name, so that RESTORE removes what a crash left there.
+RECYCLE: Final = f"{TMP_PREFIX}recycle"
 
 
 #: Who wrote a step directory (``Checkpoint.written_by``): trainfsm (it has our manifest), trainloop
@@ -147,12 +155,16 @@ class CheckpointStore:
         self._due_lock = threading.Lock()
 
     def close(self) -> None:
+        """Release the writer's threads and buffers, and delete the files kept for recycling (the
+        run is over: the disk holds its checkpoints and nothing else)."""
         self._mode.close()
         for pool in (self._io, self._drops):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._io = self._drops = None
         self._staging = None
+        with self._saving:
+            shutil.rmtree(self.root / RECYCLE, ignore_errors=True)
 
     # ------------------------------------------------------------------ saving
     def prepare(self) -> float:
@@ -183,6 +195,41 @@ class CheckpointStore:
                     with contextlib.suppress(OSError):
                         self.root.rmdir()  # nothing saved yet: no directory to show for it
         return time.perf_counter() - started
+
+    def reserve(self, sizes: dict[str, int]) -> int:
+        """Write files of about ``sizes`` (file stem -> bytes, such as a checkpoint's about to be
+        saved) for the next saves to write over, so that even the first save finds its room
+        allocated (``prune``); returns the bytes written (0 where the files kept for recycling
+        hold that much already, or a file is too small to matter). ``CheckpointingHook`` calls it
+        in RESTORE with the sizes it knows then: the model's state and the optimizer's, where it
+        has state yet. It also shows in RESTORE, not an hour later, that the disk has no room for a
+        checkpoint.
+        """
+        self.prepare()
+        assert self._io is not None and self._staging is not None
+        wanted = sorted((n for n in sizes.values() if n >= RECYCLED_BYTES), reverse=True)
+        bin_ = self.root / RECYCLE
+        with self._saving:
+            if not wanted or _pt_bytes(bin_) >= sum(wanted):
+                return 0
+            bin_.mkdir(parents=True, exist_ok=True)
+            data = random.Random(0).randbytes(BUFFER_BYTES)  # not zeros, which some storage stores as holes
+            written = 0
+            for nbytes in wanted:
+                path = bin_ / f"{uuid.uuid4().hex[:12]}.pt"
+                writer = DurableWriter(
+                    path, self._io, self._staging, direct=self._mode.for_file(nbytes).direct, checksum=self.checksum
+                )
+                try:
+                    for _ in range(-(-nbytes // BUFFER_BYTES)):
+                        writer.write(data)
+                    writer.finish()
+                except BaseException:
+                    writer.abort()
+                    path.unlink(missing_ok=True)
+                    raise
+                written += writer.bytes
+            return written
 
     @property
     def mode(self) -> Choice | None:
@@ -250,20 +297,26 @@ class CheckpointStore:
         files: dict[str, dict[str, Any]] = {}
         total = largest = 0
         direct = True
+        reused = False
         self.written_with = self._mode.choice
         for stem, obj in parts.items():
             # Each file its own way, by its size: its size last time, or its tensors' bytes.
             expected = self._file_bytes.get(stem)
-            choice = self._mode.for_file(tensor_bytes(obj) if expected is None else expected)
+            if expected is None:
+                expected = tensor_bytes(obj)
+            choice = self._mode.for_file(expected)
             writing = time.perf_counter()
+            path = tmp / f"{stem}.pt"
             writer = DurableWriter(
-                tmp / f"{stem}.pt",
+                path,
                 self._io,
                 self._staging,
                 direct=choice.direct,
                 checksum=self.checksum,
                 drops=self._drops,
+                overwrite=self._reuse(expected, path),
             )
+            reused = reused or writer.overwrites
             try:
                 serialize(obj, writer)
                 files[f"{stem}.pt"] = writer.finish()
@@ -292,6 +345,10 @@ class CheckpointStore:
         manifest_bytes = encode_manifest(step, keep, files, self.checksum, world_size if written is not None else None)
         checksum = write_durable(tmp / MANIFEST, manifest_bytes, self.checksum)  # last: it marks the set complete
         fsync_dir(tmp)
+        if reused:
+            # A file moved out of it: until this directory is synced too, a crash may undo that move,
+            # leaving the new checkpoint without the file once the previous one is pruned.
+            fsync_dir(self.root / RECYCLE)
         for existing in (target, other):  # the same step saved again (a resumed run): replace our own
             if existing.exists():
                 trash = self.root / f"{TMP_PREFIX}old-{existing.name}-{uuid.uuid4().hex[:8]}"
@@ -420,7 +477,23 @@ class CheckpointStore:
     def prune(self, keep_previous: int) -> list[Checkpoint]:
         """Delete complete, unkept checkpoints beyond the newest ``keep_previous + 1``; never the
         newest complete one, never a kept one, never one a pointer (``latest``, ``best``) names,
-        never a directory trainfsm did not write (``foreign``)."""
+        never a directory trainfsm did not write (``foreign``).
+
+        A pruned checkpoint's large files (``RECYCLED_BYTES`` or more) are recycled rather than
+        deleted: its directory is renamed out of the way (gone from the store at once, as if
+        deleted) and its files move into ``RECYCLE``, where the next save writes over them
+        (``_reuse``), the files kept adding up to one checkpoint's size at most (the newest one's,
+        or the pruned one's where larger). Measured here (ext4 with online discard on a virtual
+        disk), 200 MB: a new file took 0.110 s with ``O_DIRECT`` and one written over 0.068 s
+        (medians of eight; through the page cache 0.088 against 0.054), and deleting one took
+        0.038-0.052 s, which every save after the first paid before. Between saves the disk holds
+        the files kept besides the checkpoints (one more checkpoint's worth at most: a save needs
+        that room anyway); ``close`` deletes them.
+        """
+        with self._saving:  # the recycled files are the saves'
+            return self._prune(keep_previous)
+
+    def _prune(self, keep_previous: int) -> list[Checkpoint]:
         complete = [c for c in self.checkpoints() if c.ours]
         if not complete:
             return []
@@ -433,9 +506,57 @@ class CheckpointStore:
         removed = []
         for checkpoint in complete:
             if checkpoint.path not in protected:
-                shutil.rmtree(checkpoint.path, ignore_errors=True)
+                self._recycle(checkpoint.path, room=max(_pt_bytes(complete[-1].path), _pt_bytes(checkpoint.path)))
                 removed.append(checkpoint)
         return removed
+
+    def _recycle(self, path: Path, room: int) -> None:
+        """Remove checkpoint ``path``, keeping its files for the next saves while the files kept
+        stay within ``room`` bytes; the rest is deleted."""
+        aside = self.root / f"{TMP_PREFIX}pruned-{path.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            path.rename(aside)  # no longer a checkpoint, in one step: a crash leaves a leftover
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        try:
+            bin_ = self.root / RECYCLE
+            kept = _pt_bytes(bin_)
+            for file in sorted(aside.glob("*.pt"), key=lambda f: f.stat().st_size, reverse=True):
+                size = file.stat().st_size
+                if size < RECYCLED_BYTES or kept + size > room:
+                    continue
+                bin_.mkdir(exist_ok=True)
+                file.rename(bin_ / f"{uuid.uuid4().hex[:12]}.pt")
+                kept += size
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)
+
+    def _reuse(self, nbytes: int, path: Path) -> bool:
+        """Move a recycled file to ``path`` for a file of about ``nbytes`` to be written over it:
+        the smallest that holds ``nbytes``, else the largest. Whether there was one (never for a
+        small file: it would cut a large one down)."""
+        if nbytes < RECYCLED_BYTES:
+            return False
+        bin_ = self.root / RECYCLE
+        try:
+            files = [(entry.stat().st_size, entry.path) for entry in os.scandir(bin_) if entry.name.endswith(".pt")]
+        except FileNotFoundError:
+            return False
+        if not files:
+            return False
+        large_enough = [f for f in files if f[0] >= nbytes]
+        _, chosen = min(large_enough) if large_enough else max(files)
+        os.rename(chosen, path)  # durable with both directories' fsyncs (``_save_into``)
+        return True
+
+
+def _pt_bytes(directory: Path) -> int:
+    """The bytes of the ``.pt`` files in ``directory`` (0 where it is missing)."""
+    try:
+        return sum(entry.stat().st_size for entry in os.scandir(directory) if entry.name.endswith(".pt"))
+    except FileNotFoundError:
+        return 0
 
 
 def foreign_in_the_way(path: Path, step: int) -> str:

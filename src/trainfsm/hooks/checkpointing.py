@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from trainfsm import collectives, data_state
 from trainfsm.checkpoint.background import BackgroundSaves
 from trainfsm.checkpoint.io import check_checksum
-from trainfsm.checkpoint.restore import model_shapes, open_store, refuse_foreign_ahead, restore
+from trainfsm.checkpoint.restore import model_shapes, open_store, refuse_foreign_ahead, reserve_room, restore
 from trainfsm.checkpoint.save import Saver, SaveResult, log_saved, saves_sharded
 from trainfsm.checkpoint.store import CheckpointStore
 from trainfsm.checkpoint.writemode import check_direct_io
@@ -139,6 +139,8 @@ class CheckpointingHook(BaseHook):
         else:  # a fresh start asked for: the data ledger does not count it as lost work
             trainer.events.info("checkpoint_not_loaded", reason="load=None")
         refuse_foreign_ahead(trainer, store)
+        if trainer.rank == 0 and not self.saves_sharded:
+            reserve_room(trainer, store, current)
         if self.async_save:  # its thread (and group) and CPU buffers now, not in the first save
             self._background.start(trainer.world_size, self.saves_sharded)
             self._background.prestage(trainer, self.saves_sharded)

@@ -59,6 +59,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "checkpoint_pruned": ("paths",),
     "checkpoint_tmp_removed": ("names",),
     "checkpoint_store_ready": ("seconds", "direct_io", "chosen_by", "rates"),
+    "checkpoint_room_reserved": ("bytes", "seconds"),
     "checkpoint_failed": ("type", "message"),
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
     "signal_agreed": ("signal", "agreed_step", "reason", "step_ended_at"),
@@ -205,6 +206,12 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "with `page_cache` and `o_direct`, null where not measured; null when forced)",
         "RESTORE prepared the store's writer (its thread and staging buffers, the serializer's imports, the "
         "way to write), so that the first save does none of it (DEBUG)",
+    ),
+    "checkpoint_room_reserved": (
+        "`bytes`, `seconds`",
+        "RESTORE wrote files as large as the first save's model and optimizer state, which the first save "
+        "writes over (as later saves write over pruned checkpoints' files), so that it finds its room "
+        "allocated; a disk without room for a checkpoint fails here (DEBUG)",
     ),
     "checkpoint_failed": (
         "`type`, `message`",
