@@ -195,3 +195,24 @@ def test_restore_reserves_the_first_saves_room_and_the_first_save_uses_it(tmp_pa
     (reserved,) = [e for e in events if e["event"] == "checkpoint_room_reserved"]
     assert reserved["bytes"] >= 1536 * 1536 * 4 and reserved["seconds"] > 0
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "latest"]  # EXIT: none kept
+
+
+def test_a_full_disk_fails_restore_with_what_to_do(tmp_path: Path, monkeypatch: Any) -> None:
+    import errno
+    import os
+
+    from trainfsm.checkpoint import io
+    from trainfsm.checkpoint.store import CheckpointError
+
+    real = os.pwrite
+
+    def full(fd: int, data: Any, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").find(RECYCLE) >= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(io.os, "pwrite", full)
+    trainer = Wide([CheckpointingHook(interval=1)], max_steps=1, workspace=tmp_path, device="cpu")
+    with pytest.raises(CheckpointError, match=r"has no room for a checkpoint.*CheckpointingHook\(path=\.\.\.\)"):
+        trainer.train()
+    assert not (tmp_path / "checkpoints" / RECYCLE).exists()  # EXIT deleted what was reserved

@@ -17,6 +17,7 @@ where stopping loses nothing, rather than at that save.
 
 from __future__ import annotations
 
+import errno
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,12 +62,20 @@ def reserve_room(trainer: BaseTrainer, store: CheckpointStore, model_state: dict
     save writes over allocated blocks as later ones do (``CheckpointStore.reserve``). The trail
     says how much and how long (``checkpoint_room_reserved``)."""
     started = time.perf_counter()
-    optimizer = getattr(trainer, "optimizer", None)
-    sizes = {
-        "model": tensor_bytes(model_state),
-        "training_state": tensor_bytes(optimizer.state_dict()["state"]) if optimizer is not None else 0,
-    }
-    written = store.reserve(sizes)
+    optimizer_state = getattr(getattr(trainer, "optimizer", None), "state", {})  # not state_dict(): some
+    # optimizers (ZeroRedundancyOptimizer) refuse it before a consolidation
+    sizes = {"model": tensor_bytes(model_state), "training_state": tensor_bytes(list(optimizer_state.values()))}
+    try:
+        written = store.reserve(sizes)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise CheckpointError(
+            f"{store.root} has no room for a checkpoint: writing the first save's room "
+            f"({sum(sizes.values()) / 1e6:.0f} MB) in RESTORE failed ({error}). Free space there, or give "
+            f"CheckpointingHook(path=...) a directory on a disk with room for two checkpoints (a save "
+            f"writes the new one beside the last)."
+        ) from error
     if written:
         trainer.events.debug("checkpoint_room_reserved", bytes=written, seconds=round(time.perf_counter() - started, 6))
 
