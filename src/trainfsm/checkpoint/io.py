@@ -53,6 +53,14 @@ READ_BYTES: Final = 4 << 20  # what verification reads at a time
 FROM_CALLER_BYTES: Final = 1 << 20
 
 
+def filler() -> bytes:
+    """``BUFFER_BYTES`` of fixed pseudo-random bytes, for writes whose content does not matter (the
+    probe's, RESTORE's reservation): not zeros, which some storage compresses or keeps as holes."""
+    import random
+
+    return random.Random(0).randbytes(BUFFER_BYTES)
+
+
 def digest(checksum: str) -> Callable[[], Any]:
     """A new hash object of ``checksum`` (``update``, ``hexdigest``)."""
     if checksum == "sha256":

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import threading
 import time
@@ -59,6 +58,7 @@ from trainfsm.checkpoint.io import (
     Staging,
     check_checksum,
     digest,
+    filler,
     fsync_dir,
     rehearse,
     serialize,
@@ -213,7 +213,7 @@ class CheckpointStore:
             if not wanted or _pt_bytes(bin_) >= sum(wanted):
                 return 0
             bin_.mkdir(parents=True, exist_ok=True)
-            data = random.Random(0).randbytes(BUFFER_BYTES)  # not zeros, which some storage stores as holes
+            data = filler()
             written = 0
             for nbytes in wanted:
                 path = bin_ / f"{uuid.uuid4().hex[:12]}.pt"

@@ -45,7 +45,6 @@ file's, the rates from saves those of that file's size.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import uuid
@@ -56,7 +55,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm import activity
-from trainfsm.checkpoint.io import ALIGN, BUFFER_BYTES, DurableWriter, Staging
+from trainfsm.checkpoint.io import ALIGN, BUFFER_BYTES, DurableWriter, Staging, filler
 
 #: What ``direct_io`` may be: a forced way, or "auto" (measured).
 SETTINGS: Final = (True, False, "auto")
@@ -107,7 +106,7 @@ def check_direct_io(owner: str, value: Any) -> bool | str:
 def measure(root: Path, io: ThreadPoolExecutor, staging: Staging) -> dict[str, float | None]:
     """GB/s of each way of writing into ``root`` (see the module doc); ``o_direct`` is None where
     the file system refuses it. Leaves no file behind."""
-    data = random.Random(0).randbytes(BUFFER_BYTES)  # not zeros, which some storage compresses
+    data = filler()
     seconds: dict[bool, float] = {}
     refused = False
     for direct in (False, True, True, False) * (PROBE_FILES // 2):
