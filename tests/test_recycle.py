@@ -216,3 +216,86 @@ def test_a_full_disk_fails_restore_with_what_to_do(tmp_path: Path, monkeypatch: 
     with pytest.raises(CheckpointError, match=r"has no room for a checkpoint.*CheckpointingHook\(path=\.\.\.\)"):
         trainer.train()
     assert not (tmp_path / "checkpoints" / RECYCLE).exists()  # EXIT deleted what was reserved
+
+
+# ------------------------------------------------------------------ pages kept in the page cache
+def resident(path: Path) -> float:
+    """The share of ``path``'s pages in the page cache (``mincore`` over a read-only map)."""
+    import ctypes
+    import mmap
+    import os
+
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = -(-size // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            assert libc.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(byte & 1 for byte in vector) / pages
+
+
+@pytest.fixture
+def page_cache_drops(tmp_path: Path) -> None:
+    """Skip where the file system keeps every page (tmpfs) or the kernel cannot drop them."""
+    import os
+
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise: pages are never dropped")
+    probe = tmp_path / "probe"
+    probe.write_bytes(os.urandom(1 << 20))
+    fd = os.open(probe, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    dropped = resident(probe) < 0.5
+    probe.unlink()
+    if not dropped:
+        pytest.skip("this file system keeps its pages in memory (tmpfs?)")
+
+
+def test_a_file_the_next_saves_write_over_keeps_its_pages_cached(tmp_path: Path, page_cache_drops: None) -> None:
+    # Written over, cached pages need no fresh memory: after 4 s idle 200 MB took 0.079 s so and
+    # 0.634 s with its pages dropped (a virtual machine's free memory goes back to its host).
+    store = CheckpointStore(tmp_path, direct_io=False)
+    store.save(1, state(1), keep=False)
+    store.save(2, state(2), keep=False)
+    store.prune(keep_previous=0)
+    assert store._drops is not None
+    store._drops.submit(lambda: None).result()  # any page drop in flight is done
+    assert resident(tmp_path / "2" / "model.pt") > 0.9  # the next save's prune recycles it
+    ((kept, _),) = recycled_paths(tmp_path).items()
+    assert resident(kept) > 0.9
+    store.close()
+
+
+def test_a_kept_checkpoint_and_small_files_leave_the_page_cache(tmp_path: Path, page_cache_drops: None) -> None:
+    # Never written over, so their pages would only push the training data out of the cache.
+    for root, keep, elements in [(tmp_path / "kept", True, LARGE), (tmp_path / "small", False, RECYCLED_BYTES // 8)]:
+        store = CheckpointStore(root, direct_io=False)
+        checkpoint, _, _ = store.save(1, state(1, elements), keep=keep)
+        store.close()  # waits for the drops in flight
+        assert resident(checkpoint.path / "model.pt") < 0.1
+
+
+def test_restores_reservation_is_written_with_its_pages_cached(tmp_path: Path, page_cache_drops: None) -> None:
+    store = CheckpointStore(tmp_path, direct_io=False)
+    store.reserve({"model": RECYCLED_BYTES})
+    ((kept, _),) = recycled_paths(tmp_path).items()
+    assert resident(kept) > 0.9
+    store.close()
+
+
+def recycled_paths(root: Path) -> dict[Path, int]:
+    return {f: f.stat().st_size for f in (root / RECYCLE).iterdir()}

@@ -217,9 +217,8 @@ class CheckpointStore:
             written = 0
             for nbytes in wanted:
                 path = bin_ / f"{uuid.uuid4().hex[:12]}.pt"
-                writer = DurableWriter(
-                    path, self._io, self._staging, direct=self._mode.for_file(nbytes).direct, checksum=self.checksum
-                )
+                direct = self._mode.for_file(nbytes).direct
+                writer = DurableWriter(path, self._io, self._staging, direct=direct, keep_pages=True)
                 try:
                     for _ in range(-(-nbytes // BUFFER_BYTES)):
                         writer.write(data)
@@ -315,6 +314,7 @@ class CheckpointStore:
                 checksum=self.checksum,
                 drops=self._drops,
                 overwrite=self._reuse(expected, path),
+                keep_pages=_recyclable(expected, keep),
             )
             reused = reused or writer.overwrites
             try:
@@ -489,6 +489,13 @@ class CheckpointStore:
         0.038-0.052 s, which every save after the first paid before. Between saves the disk holds
         the files kept besides the checkpoints (one more checkpoint's worth at most: a save needs
         that room anyway); ``close`` deletes them.
+
+        Written through the page cache, such files keep their pages there (``_recyclable``): a
+        write over cached pages needs no fresh memory, which on this virtual machine is what a
+        page-cache write after a pause waited for (``DurableWriter``). So the page cache holds the
+        unkept checkpoints' large files and the recycled ones (``keep_previous + 2`` checkpoints'
+        worth), clean and evictable as any cached file; ``direct_io=True`` keeps checkpoints out of
+        it altogether.
         """
         with self._saving:  # the recycled files are the saves'
             return self._prune(keep_previous)
@@ -549,6 +556,13 @@ class CheckpointStore:
         _, chosen = min(large_enough) if large_enough else max(files)
         os.rename(chosen, path)  # durable with both directories' fsyncs (``_save_into``)
         return True
+
+
+def _recyclable(nbytes: int, keep: bool) -> bool:
+    """Whether a file of about ``nbytes`` in a checkpoint (``keep``: never pruned) will be written
+    over by a later save, so that its pages are worth keeping in the page cache until then
+    (``DurableWriter(keep_pages=...)``)."""
+    return nbytes >= RECYCLED_BYTES and not keep
 
 
 def _pt_bytes(directory: Path) -> int:

@@ -7,20 +7,23 @@ later, issue 35 measured the other way round (0.41 s per GB through the page cac
 ``O_DIRECT``), and on that disk the page cache was the faster for files of tens of MB and the
 slower for files of a GB. So with ``direct_io="auto"`` (the default) the store measures:
 
-- **a probe, in RESTORE** (``CheckpointStore.prepare``): ``PROBE_FILES`` files of ``PROBE_BYTES``
-  each way, in the order page cache, ``O_DIRECT``, ``O_DIRECT``, page cache (so that a disk
-  speeding up or slowing down meanwhile favours neither), each written by the store's own writer
-  (its staging buffers and I/O thread, a checksum on the way) and fsynced, then deleted. A way's
-  rate is its faster file's (a hiccup of the disk only slows a file down). The probe's files are
-  named like a save's temporary directory, so a crash that leaves one is cleaned up in RESTORE;
+- **a probe, in RESTORE** (``CheckpointStore.prepare``): each way writes a file of ``PROBE_BYTES``
+  (untimed), then writes over it ``PROBE_FILES`` times, in the order page cache, ``O_DIRECT``,
+  ``O_DIRECT``, page cache (so that a disk speeding up or slowing down meanwhile favours neither),
+  each time through the store's own writer (its staging buffers and I/O thread, a checksum on the
+  way) and fsynced; the files are deleted at the end. A way's rate is its faster write's (a hiccup
+  of the disk only slows a write down). The writes go over a file because a store's saves do
+  (``CheckpointStore.prune`` recycles pruned files, RESTORE reserves the first save's), and the
+  page cache's over pages it kept, as a save's do (``DurableWriter(keep_pages=True)``). Measured
+  here, 32 MiB: over
+  kept files the page cache took 3.1-3.8 GB/s and ``O_DIRECT`` 1.7-2.1 GB/s, as 200 MB and 1 GB
+  saves did (2.5-3.7 against 1.6-2.6); into new files the two were 1.7-2.4 and 1.2-1.8 GB/s, and a
+  1 GB file through the page cache took 2.6 s after a pause (its pages come from the host again,
+  on this virtual machine), 7x its time over kept pages. The probe's files are named like a save's
+  temporary directory, so a crash that leaves one is cleaned up in RESTORE;
 - **per file, by its size**: a file without saves of its size yet is written the way that probed
-  faster, the page cache's rate taken at ``1 / PAGE_CACHE_FLATTERY``. A probe's files are written
-  back to back; a checkpoint's come minutes apart, and on a virtual machine that hands free memory
-  back to its host (virtio-balloon free page reporting, as here) a page-cache write after a pause
-  first waits for the host to give the pages back: 200 MB took 0.42 s through the page cache after
-  4 s idle against 0.067 s back to back, while ``O_DIRECT`` took 0.085 against 0.079 s (medians of
-  five). A file's size is the last one of its name (``model``, ``training_state``), or at its first
-  save its tensors' bytes;
+  faster. A file's size is the last one of its name (``model``, ``training_state``), or at its
+  first save its tensors' bytes;
 - **the saves themselves**: each file of ``RATED_BYTES`` or more counts for its way and its size
   (within a factor of two: ``size_class``): its bytes and the seconds from serializing it to its
   fsync; a way's rate at a size is the bytes over the seconds of its last ``SAVES_KEPT`` files.
@@ -63,15 +66,9 @@ SETTINGS: Final = (True, False, "auto")
 # here) do not hide the streaming rate, small enough to cost ~0.1 s. On this machine's disk 16 MiB
 # files put the two ways within 7% of each other in a round where 200 MB files differed threefold.
 PROBE_BYTES: Final = 32 << 20
-PROBE_FILES: Final = 2  # per way: 128 MiB written in all, ~0.1 s on a disk of ~1.5 GB/s
+PROBE_FILES: Final = 2  # timed writes per way, after each way's first: 192 MiB in all, ~0.1 s here
 RECHECK_SECONDS: Final = 600.0
 SWITCH_MARGIN: Final = 1.10
-# How much a probe's small files may flatter the page cache: the host's and the device's caches
-# absorb a burst of tens of MB, not a checkpoint of a GB, and the page cache's extra copy costs the
-# most when the CPUs are busy with training, which they are not during the probe. Measured here
-# (issue 35): 32 MiB probes gave the page cache 1.3-1.4x O_DIRECT's rate, while 1 GB writes went
-# 2x faster with O_DIRECT (0.45 against 0.87 s, medians; through the page cache 0.29-2.4 s).
-PAGE_CACHE_FLATTERY: Final = 1.5
 SAVES_KEPT: Final = 4  # per way: a rate is their bytes over their seconds
 RATED_BYTES: Final = 2 * PROBE_BYTES  # a save this large or larger counts as a measurement of its way
 PROBE_PREFIX: Final = ".tmp-probe-"  # store.TMP_PREFIX: leftovers of a crash are removed in RESTORE
@@ -104,17 +101,23 @@ def check_direct_io(owner: str, value: Any) -> bool | str:
 
 
 def measure(root: Path, io: ThreadPoolExecutor, staging: Staging) -> dict[str, float | None]:
-    """GB/s of each way of writing into ``root`` (see the module doc); ``o_direct`` is None where
-    the file system refuses it. Leaves no file behind."""
+    """GB/s of each way of writing over a file in ``root`` (see the module doc); ``o_direct`` is
+    None where the file system refuses it. Leaves no file behind."""
     data = filler()
+    files = {direct: root / f"{PROBE_PREFIX}{uuid.uuid4().hex[:8]}" for direct in (False, True)}
     seconds: dict[bool, float] = {}
-    refused = False
-    for direct in (False, True, True, False) * (PROBE_FILES // 2):
-        if direct and refused:
-            continue
-        took, wrote_directly = _probe(root / f"{PROBE_PREFIX}{uuid.uuid4().hex[:8]}", io, staging, direct, data)
-        seconds[direct] = min(took, seconds.get(direct, took))
-        refused = refused or (direct and not wrote_directly)
+    try:
+        # Each way's file, untimed: the timed writes go over it, as saves go over recycled files.
+        refused = not _probe(files[True], io, staging, True, data)[1]
+        _probe(files[False], io, staging, False, data)
+        for direct in (False, True, True, False) * (PROBE_FILES // 2):
+            if direct and refused:
+                continue
+            took, _ = _probe(files[direct], io, staging, direct, data, over=True)
+            seconds[direct] = min(took, seconds.get(direct, took))
+    finally:
+        for path in files.values():
+            path.unlink(missing_ok=True)
     written = PROBE_BYTES / 1e9
     return {
         "page_cache": round(written / seconds[False], 3),
@@ -129,11 +132,14 @@ def _probe(
     direct: bool,
     data: bytes,
     times: int = PROBE_BYTES // BUFFER_BYTES,
+    *,
+    over: bool = False,
 ) -> tuple[float, bool]:
-    """Seconds to write ``data`` ``times`` over to a new file and fsync it, and whether it went
-    past the page cache."""
+    """Seconds to write ``data`` ``times`` over to ``path`` (a new file, or ``over`` the one there)
+    and fsync it, and whether it went past the page cache; through the page cache its pages stay
+    there, as a recycled file's do. The caller deletes the file."""
     started = time.perf_counter()
-    writer = DurableWriter(path, io, staging, direct=direct)
+    writer = DurableWriter(path, io, staging, direct=direct, overwrite=over, keep_pages=True)
     try:
         for _ in range(times):
             writer.write(data)
@@ -142,8 +148,6 @@ def _probe(
     except BaseException:
         writer.abort()
         raise
-    finally:
-        path.unlink(missing_ok=True)
 
 
 # One probe per file system, shared by the stores of this process while it is fresh: (rates, when).
@@ -187,7 +191,11 @@ class WriteMode:
         if self.setting is False:
             return Choice(False, "direct_io=False")
         if self.setting is True:  # one block, to learn whether the file system takes O_DIRECT
-            _, direct = _probe(root / f"{PROBE_PREFIX}{uuid.uuid4().hex[:8]}", io, staging, True, bytes(ALIGN), 1)
+            path = root / f"{PROBE_PREFIX}{uuid.uuid4().hex[:8]}"
+            try:
+                _, direct = _probe(path, io, staging, True, bytes(ALIGN), 1)
+            finally:
+                path.unlink(missing_ok=True)
             return Choice(True, "direct_io=True") if direct else Choice(False, "O_DIRECT refused")
         device = root.stat().st_dev
         with _probed_lock:
@@ -228,10 +236,9 @@ class WriteMode:
         Files of its size (the last ``SAVES_KEPT`` of each way, at most ``RECHECK_SECONDS`` old)
         written both ways: the faster of them. Written one way only: the other way is tried for one
         file when its probe is faster than these files (a probe's small files may flatter a way that
-        large ones do not: the saves are what counts). None yet: the faster probe. The page cache's
-        probe is taken at ``1 / PAGE_CACHE_FLATTERY`` of its rate; a way in use keeps its place
-        unless the other is faster by ``SWITCH_MARGIN``, so that noise does not flip it back and
-        forth.
+        large ones do not: the saves are what counts). None yet: the faster probe. A way in use
+        keeps its place unless the other is faster by ``SWITCH_MARGIN``, so that noise does not
+        flip it back and forth.
         """
         size = None if nbytes is None else size_class(nbytes)
         now = time.monotonic()
@@ -245,7 +252,6 @@ class WriteMode:
         if probe_direct is None:
             return Choice(False, "O_DIRECT refused", rates)
         assert probe_page is not None
-        probe_page /= PAGE_CACHE_FLATTERY  # what a checkpoint may expect of it, at best
         current = None if size is None else self._current.get(size)
         if current is None:
             return Choice(probe_direct > probe_page, "measurement", rates)
