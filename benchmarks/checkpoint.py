@@ -112,9 +112,10 @@ def compare_sync(directory: Path, megabytes: int, rounds: int) -> dict[str, Any]
     nbytes = sum(t.nbytes for t in state.values())
     for store in stores.values():
         # What CheckpointingHook does in RESTORE: the measurement of "ours" among it, and the room
-        # of the first save (written over by the first round's save, as a pruned file is later).
+        # of the saves before the first prune (keep_previous=0: two, written over by the first two
+        # rounds' saves, as pruned files are later).
         store.prepare()
-        store.reserve({"model": nbytes})
+        store.reserve({"model": nbytes}, copies=2)
     aligned = mmap.mmap(-1, 4 * MB)
     aligned.write(os.urandom(4 * MB))
     block = memoryview(aligned)

@@ -175,26 +175,43 @@ class Wide(BaseTrainer):
 
 
 class SeeReserved(BaseHook):
-    """At the first step (after RESTORE): the inodes of the files kept for the first save."""
+    """Listed after CheckpointingHook: the inodes of the files kept for the first saves (at the
+    first step, after RESTORE), and of each save's model.pt."""
 
     def __init__(self) -> None:
         self.inodes: dict[int, int] | None = None
+        self.saved: list[int] = []
 
     def on_before_step(self, trainer: BaseTrainer) -> None:
         if self.inodes is None:
             self.inodes = recycled(trainer.workspace / "checkpoints")
 
+    def on_enter_checkpoint(self, trainer: BaseTrainer) -> None:
+        self.saved.append(inode(trainer.workspace / "checkpoints" / "latest" / "model.pt"))
 
-def test_restore_reserves_the_first_saves_room_and_the_first_save_uses_it(tmp_path: Path) -> None:
+
+def test_restore_reserves_the_room_of_the_saves_before_the_first_prune(tmp_path: Path) -> None:
+    # keep_previous=0: the first save, and the second, after which the first is pruned and recycled.
     seen = SeeReserved()
-    trainer = Wide([CheckpointingHook(interval=1), seen], max_steps=1, workspace=tmp_path, device="cpu")
+    trainer = Wide([CheckpointingHook(interval=1), seen], max_steps=3, workspace=tmp_path, device="cpu")
     trainer.train()
-    assert seen.inodes and max(seen.inodes.values()) >= 1536 * 1536 * 4
-    assert inode(tmp_path / "checkpoints" / "1" / "model.pt") in seen.inodes
+    assert seen.inodes is not None and len(seen.inodes) == 2
+    assert min(seen.inodes.values()) >= 1536 * 1536 * 4
+    first, second, third = seen.saved
+    assert {first, second} == set(seen.inodes)  # both written over the reserved files
+    assert third == first  # the third over the first save's, pruned after the second
     events = [json.loads(line) for line in (tmp_path / "logs" / "events.rank0.jsonl").read_text().splitlines()]
     (reserved,) = [e for e in events if e["event"] == "checkpoint_room_reserved"]
-    assert reserved["bytes"] >= 1536 * 1536 * 4 and reserved["seconds"] > 0
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1", "latest"]  # EXIT: none kept
+    assert reserved["bytes"] == sum(seen.inodes.values()) and reserved["seconds"] > 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "latest"]  # EXIT: none kept
+
+
+@pytest.mark.parametrize("keep_previous", [1, 2])
+def test_each_checkpoint_kept_adds_one_reserved_copy(tmp_path: Path, keep_previous: int) -> None:
+    seen = SeeReserved()
+    hook = CheckpointingHook(interval=1, keep_previous=keep_previous)
+    Wide([hook, seen], max_steps=1, workspace=tmp_path, device="cpu").train()
+    assert seen.inodes is not None and len(seen.inodes) == keep_previous + 2
 
 
 def test_a_full_disk_fails_restore_with_what_to_do(tmp_path: Path, monkeypatch: Any) -> None:
@@ -213,7 +230,8 @@ def test_a_full_disk_fails_restore_with_what_to_do(tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(io.os, "pwrite", full)
     trainer = Wide([CheckpointingHook(interval=1)], max_steps=1, workspace=tmp_path, device="cpu")
-    with pytest.raises(CheckpointError, match=r"has no room for a checkpoint.*CheckpointingHook\(path=\.\.\.\)"):
+    no_room = r"has no room for this run's checkpoints.*CheckpointingHook\(path=\.\.\.\)"
+    with pytest.raises(CheckpointError, match=no_room):
         trainer.train()
     assert not (tmp_path / "checkpoints" / RECYCLE).exists()  # EXIT deleted what was reserved
 
@@ -299,3 +317,52 @@ def test_restores_reservation_is_written_with_its_pages_cached(tmp_path: Path, p
 
 def recycled_paths(root: Path) -> dict[Path, int]:
     return {f: f.stat().st_size for f in (root / RECYCLE).iterdir()}
+
+
+# ------------------------------------------------------------------ the optimizer's room, before its first step
+class Model(BaseTrainer):
+    """Just enough of a trainer for ``optimizer_state_bytes``: a model and an optimizer."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+
+@pytest.mark.parametrize(
+    ("make", "per_byte"),
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1), 0.0),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1.0),
+        (lambda p: torch.optim.Adam(p, lr=0.1), 2.0),
+        (lambda p: torch.optim.AdamW(p, lr=0.1, amsgrad=True), 3.0),
+    ],
+    ids=["sgd", "momentum", "adam", "adamw-amsgrad"],
+)
+def test_an_optimizer_without_state_yet_is_reserved_what_its_first_step_makes(make: Any, per_byte: float) -> None:
+    from trainfsm.checkpoint.restore import optimizer_state_bytes
+
+    model = nn.Linear(256, 256)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = make(model.parameters())
+    estimate = optimizer_state_bytes(Model(optimizer))  # type: ignore[arg-type]
+    held = sum(p.numel() * 4 for p in model.parameters())
+    assert estimate == pytest.approx(per_byte * held, rel=0.01, abs=64)
+    # Estimated on a toy optimizer: the trainer's was not stepped and has no state yet.
+    assert len(optimizer.state) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    for p in model.parameters():  # and what its first step makes is what was estimated
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    from trainfsm.checkpoint.io import tensor_bytes
+
+    assert tensor_bytes(list(optimizer.state.values())) == pytest.approx(estimate, rel=0.01, abs=64)
+
+
+def test_an_optimizer_that_cannot_be_remade_from_its_settings_gets_no_estimate() -> None:
+    from trainfsm.checkpoint.restore import optimizer_state_bytes
+
+    class Needy(torch.optim.SGD):
+        def __init__(self, params: Any, schedule: list[float], **kwargs: Any) -> None:
+            super().__init__(params, **kwargs)
+
+    optimizer = Needy(nn.Linear(8, 8).parameters(), [1.0], lr=0.1, momentum=0.9)
+    assert optimizer_state_bytes(Model(optimizer)) == 0  # type: ignore[arg-type]

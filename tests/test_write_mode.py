@@ -16,6 +16,7 @@ import torch
 from tests.helpers import TinyTrainer, read_events
 from trainfsm import CheckpointingHook
 from trainfsm.checkpoint import io, writemode
+from trainfsm.checkpoint import store as store_module
 from trainfsm.checkpoint.store import CheckpointStore
 
 
@@ -290,10 +291,32 @@ def test_the_trail_shows_a_save_trying_the_other_way_and_the_saves_deciding(
         pytest.skip("this file system refuses O_DIRECT")
     fake_rates(monkeypatch, {"page_cache": 20_000.0, "o_direct": 9_000.0})  # no real save is that fast
     monkeypatch.setattr(writemode, "RATED_BYTES", 1)  # the tiny trainer's saves count
-    saved = named(train(tmp_path, steps=8), "checkpoint_saved")
+    monkeypatch.setattr(store_module, "RECYCLED_BYTES", 1)  # and are written over kept files
+    saved = named(train(tmp_path, steps=16), "checkpoint_saved")
     assert [(e["direct_io"], e["chosen_by"]) for e in saved][:2] == [
         (False, "measurement"),
         (True, "trying the other way"),
     ]
-    assert [e["chosen_by"] for e in saved[2:]] == ["saves", "saves"]
-    assert all(rate is not None and rate > 0 for rate in saved[2]["rates"]["saves"].values())
+    # Once a file of each way was written over a kept one (a try into a new file does not count,
+    # so the way is tried again), the saves decide.
+    assert saved[-1]["chosen_by"] == "saves"
+    assert all(rate is not None and rate > 0 for rate in saved[-1]["rates"]["saves"].values())
+
+
+def test_only_files_written_over_a_kept_file_count_as_their_ways_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A new file's blocks and fresh pages are found once (200 MB through the page cache after a
+    # pause: 0.63 s into fresh pages, 0.08 s over kept ones); counting it would leave the way.
+    fake_rates(monkeypatch, {"page_cache": 3.0, "o_direct": 1.5})
+    store = CheckpointStore(tmp_path)
+    big = {"model": {"w": torch.zeros(writemode.RATED_BYTES // 4 + 1024)}}
+    rated = []  # whether each save was decided with a page cache save's rate
+    for step in (1, 2, 3, 4):
+        store.save(step, big, keep=False)
+        store.prune(keep_previous=0)
+        assert store.written_with is not None and store.written_with.rates is not None
+        rated.append(store.written_with.rates["saves"]["page_cache"] is not None)
+    store.close()
+    # Saves 1 and 2 wrote new files (nothing pruned yet); save 3 wrote over the first one's.
+    assert rated == [False, False, False, True]

@@ -55,29 +55,68 @@ def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool | str, check
     return store
 
 
-def reserve_room(trainer: BaseTrainer, store: CheckpointStore, model_state: dict[str, Any]) -> None:
-    """Rank 0, saving whole checkpoints: have the store write, now, files as large as the first
+def reserve_room(trainer: BaseTrainer, store: CheckpointStore, model_state: dict[str, Any], copies: int) -> None:
+    """Rank 0, saving whole checkpoints: have the store write, now, ``copies`` files as large as a
     save's model and optimizer state (``model_state``, its global shapes: what a full save
-    gathers; the optimizer's state where it has some yet, as after a resume), so that the first
-    save writes over allocated blocks as later ones do (``CheckpointStore.reserve``). The trail
-    says how much and how long (``checkpoint_room_reserved``)."""
+    gathers; ``optimizer_state_bytes``), so that the saves before the first prune write over
+    allocated blocks as later ones do (``CheckpointStore.reserve``). The trail says how much and
+    how long (``checkpoint_room_reserved``)."""
     started = time.perf_counter()
-    optimizer_state = getattr(getattr(trainer, "optimizer", None), "state", {})  # not state_dict(): some
-    # optimizers (ZeroRedundancyOptimizer) refuse it before a consolidation
-    sizes = {"model": tensor_bytes(model_state), "training_state": tensor_bytes(list(optimizer_state.values()))}
+    sizes = {"model": tensor_bytes(model_state), "training_state": optimizer_state_bytes(trainer)}
     try:
-        written = store.reserve(sizes)
+        written = store.reserve(sizes, copies)
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise CheckpointError(
-            f"{store.root} has no room for a checkpoint: writing the first save's room "
-            f"({sum(sizes.values()) / 1e6:.0f} MB) in RESTORE failed ({error}). Free space there, or give "
-            f"CheckpointingHook(path=...) a directory on a disk with room for two checkpoints (a save "
-            f"writes the new one beside the last)."
+            f"{store.root} has no room for this run's checkpoints: writing the room of its first {copies} "
+            f"saves ({copies * sum(sizes.values()) / 1e6:.0f} MB, what its checkpoints take at once) in RESTORE "
+            f"failed ({error}). Free space there, or give CheckpointingHook(path=...) a directory on a disk "
+            f"with that much room (keep_previous=0 needs the least: two checkpoints, as a save writes the "
+            f"new one beside the last)."
         ) from error
     if written:
         trainer.events.debug("checkpoint_room_reserved", bytes=written, seconds=round(time.perf_counter() - started, 6))
+
+
+def optimizer_state_bytes(trainer: BaseTrainer) -> int:
+    """The bytes of the optimizer's state in a save: what it holds (read from ``optimizer.state``,
+    not ``state_dict()``, which ``ZeroRedundancyOptimizer`` refuses before a consolidation), or,
+    where its state appears only at its first step (momentum, Adam), an estimate: the bytes a
+    toy optimizer of its class and settings keeps per byte of a toy parameter after one step,
+    times the bytes of its parameters. The toy is stepped, never the trainer's optimizer; where
+    the toy cannot be made (an optimizer that needs more than its parameters and settings), 0."""
+    optimizer = getattr(trainer, "optimizer", None)
+    state = getattr(optimizer, "state", None)
+    if optimizer is None or state is None:
+        return 0
+    if state:
+        return tensor_bytes(list(state.values()))
+    params = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+    held = sum(p.numel() * p.element_size() for p in params if isinstance(p, torch.Tensor))
+    return int(held * _state_per_byte(type(optimizer), dict(getattr(optimizer, "defaults", {}))))
+
+
+def _state_per_byte(kind: type, defaults: dict[str, Any]) -> float:
+    import inspect
+    import warnings
+
+    toy = torch.zeros(1024, requires_grad=True)
+    try:
+        # Only the settings its constructor takes: some classes keep more in ``defaults`` than they
+        # take (AdamW's ``decoupled_weight_decay``).
+        taken = inspect.signature(kind.__init__).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
+            defaults = {key: value for key, value in defaults.items() if key in taken}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizer = kind([toy], **defaults)
+            toy.grad = torch.zeros_like(toy)
+            optimizer.step()
+    except Exception:  # any optimizer of the user's: no estimate, no reservation
+        return 0.0
+    state = getattr(optimizer, "state", {})
+    return tensor_bytes(list(state.values())) / (toy.numel() * toy.element_size())
 
 
 def model_shapes(trainer: BaseTrainer) -> dict[str, Any]:

@@ -196,18 +196,23 @@ class CheckpointStore:
                         self.root.rmdir()  # nothing saved yet: no directory to show for it
         return time.perf_counter() - started
 
-    def reserve(self, sizes: dict[str, int]) -> int:
-        """Write files of about ``sizes`` (file stem -> bytes, such as a checkpoint's about to be
-        saved) for the next saves to write over, so that even the first save finds its room
-        allocated (``prune``); returns the bytes written (0 where the files kept for recycling
-        hold that much already, or a file is too small to matter). ``CheckpointingHook`` calls it
-        in RESTORE with the sizes it knows then: the model's state and the optimizer's, where it
-        has state yet. It also shows in RESTORE, not an hour later, that the disk has no room for a
-        checkpoint.
+    def reserve(self, sizes: dict[str, int], copies: int = 1) -> int:
+        """Write ``copies`` files of each of about ``sizes`` (file stem -> bytes, such as a
+        checkpoint's about to be saved) for the next saves to write over, so that even the first
+        saves find their room allocated (``prune``); returns the bytes written (0 where the files
+        kept for recycling hold that much already, or a file is too small to matter).
+
+        ``CheckpointingHook`` calls it in RESTORE with the sizes it knows then (the model's state
+        and the optimizer's, estimated where its state appears at its first step) and one copy per
+        save that comes before pruning frees a checkpoint's files: ``keep_previous + 2`` (with
+        ``keep_previous=0``, the first save and the second, after which the first is pruned). That
+        is the most room the run's checkpoints take at once, so a disk without it fails in
+        RESTORE, not an hour later. Through the page cache the files keep their pages there, as
+        recycled ones do (``DurableWriter(keep_pages=True)``).
         """
         self.prepare()
         assert self._io is not None and self._staging is not None
-        wanted = sorted((n for n in sizes.values() if n >= RECYCLED_BYTES), reverse=True)
+        wanted = sorted((n for n in sizes.values() if n >= RECYCLED_BYTES), reverse=True) * copies
         bin_ = self.root / RECYCLE
         with self._saving:
             if not wanted or _pt_bytes(bin_) >= sum(wanted):
@@ -323,7 +328,10 @@ class CheckpointStore:
             except BaseException:
                 writer.abort()
                 raise
-            self._mode.after_write(writer.direct, writer.bytes, time.perf_counter() - writing)  # how fast
+            # How fast, where it wrote over a kept file as saves do once running: a new file's blocks
+            # (and fresh pages, through the page cache) are a one-off, not the way's rate.
+            seconds = time.perf_counter() - writing
+            self._mode.after_write(writer.direct, writer.bytes, seconds, rated=writer.overwrites)
             self._file_bytes[stem] = writer.bytes
             if writer.bytes >= largest:
                 largest, self.written_with = writer.bytes, choice

@@ -140,7 +140,7 @@ class CheckpointingHook(BaseHook):
             trainer.events.info("checkpoint_not_loaded", reason="load=None")
         refuse_foreign_ahead(trainer, store)
         if trainer.rank == 0 and not self.saves_sharded:
-            reserve_room(trainer, store, current)
+            reserve_room(trainer, store, current, copies=self.keep_previous + 2)
         if self.async_save:  # its thread (and group) and CPU buffers now, not in the first save
             self._background.start(trainer.world_size, self.saves_sharded)
             self._background.prestage(trainer, self.saves_sharded)
