@@ -105,7 +105,7 @@ def _state_per_byte(kind: type, defaults: dict[str, Any]) -> float:
     try:
         # Only the settings its constructor takes: some classes keep more in ``defaults`` than they
         # take (AdamW's ``decoupled_weight_decay``).
-        taken = inspect.signature(kind.__init__).parameters
+        taken = inspect.signature(kind).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
             defaults = {key: value for key, value in defaults.items() if key in taken}
         with warnings.catch_warnings():
