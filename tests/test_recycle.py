@@ -10,6 +10,8 @@ the file a save writes is the one pruning kept, or the one RESTORE wrote.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
+from trainfsm.checkpoint.io import BUFFER_BYTES
 from trainfsm.checkpoint.store import RECYCLE, RECYCLED_BYTES, CheckpointStore
 
 LARGE = RECYCLED_BYTES // 4 + 4096  # float32 elements: a tensor just over the size worth recycling
@@ -119,7 +122,7 @@ def test_a_save_that_fails_over_a_recycled_file_leaves_the_latest_checkpoint(tmp
 def test_reserve_writes_a_file_the_first_save_writes_over(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     nbytes = LARGE * 4
-    assert store.reserve({"model": nbytes, "training_state": 100}) >= nbytes  # the small one is not reserved
+    assert store.reserve({"model": nbytes, "training_state": 100}).bytes >= nbytes  # the small one is not reserved
     ((reserved, size),) = recycled(tmp_path).items()
     assert size >= nbytes
     store.save(1, state(1), keep=False)
@@ -129,14 +132,13 @@ def test_reserve_writes_a_file_the_first_save_writes_over(tmp_path: Path) -> Non
 
 def test_reserve_writes_nothing_where_the_files_kept_hold_enough(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
-    assert store.reserve({"model": LARGE * 4}) > 0
-    assert store.reserve({"model": LARGE * 4}) == 0
-    assert store.reserve({"model": 1000}) == 0
+    assert store.reserve({"model": LARGE * 4}).bytes > 0
+    assert store.reserve({"model": LARGE * 4}) == (0, True)
+    assert store.reserve({"model": 1000}) == (0, True)
     assert len(recycled(tmp_path)) == 1
 
 
 def test_reserve_fails_in_restore_where_the_disk_has_no_room(tmp_path: Path, monkeypatch: Any) -> None:
-    import os
 
     from trainfsm.checkpoint import io
 
@@ -202,7 +204,7 @@ def test_restore_reserves_the_room_of_the_saves_before_the_first_prune(tmp_path:
     assert third == first  # the third over the first save's, pruned after the second
     events = [json.loads(line) for line in (tmp_path / "logs" / "events.rank0.jsonl").read_text().splitlines()]
     (reserved,) = [e for e in events if e["event"] == "checkpoint_room_reserved"]
-    assert reserved["bytes"] == sum(seen.inodes.values()) and reserved["seconds"] > 0
+    assert reserved["bytes"] == sum(seen.inodes.values()) and reserved["seconds"] > 0 and reserved["complete"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "latest"]  # EXIT: none kept
 
 
@@ -216,7 +218,6 @@ def test_each_checkpoint_kept_adds_one_reserved_copy(tmp_path: Path, keep_previo
 
 def test_a_full_disk_fails_restore_with_what_to_do(tmp_path: Path, monkeypatch: Any) -> None:
     import errno
-    import os
 
     from trainfsm.checkpoint import io
     from trainfsm.checkpoint.store import CheckpointError
@@ -241,7 +242,6 @@ def resident(path: Path) -> float:
     """The share of ``path``'s pages in the page cache (``mincore`` over a read-only map)."""
     import ctypes
     import mmap
-    import os
 
     size = path.stat().st_size
     libc = ctypes.CDLL(None, use_errno=True)
@@ -267,7 +267,6 @@ def resident(path: Path) -> float:
 @pytest.fixture
 def page_cache_drops(tmp_path: Path) -> None:
     """Skip where the file system keeps every page (tmpfs) or the kernel cannot drop them."""
-    import os
 
     if not hasattr(os, "posix_fadvise"):
         pytest.skip("no posix_fadvise: pages are never dropped")
@@ -366,3 +365,56 @@ def test_an_optimizer_that_cannot_be_remade_from_its_settings_gets_no_estimate()
 
     optimizer = Needy(nn.Linear(8, 8).parameters(), [1.0], lr=0.1, momentum=0.9)
     assert optimizer_state_bytes(Model(optimizer)) == 0  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ a signal during the reservation
+def test_reserve_stops_where_asked_and_leaves_only_whole_files(tmp_path: Path) -> None:
+    asked = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 5  # during the second file (three buffers each)
+
+    store = CheckpointStore(tmp_path)
+    reserved = store.reserve({"model": 3 * BUFFER_BYTES}, copies=3, stop=stop)
+    assert reserved == (3 * BUFFER_BYTES, False)
+    assert list(recycled(tmp_path).values()) == [3 * BUFFER_BYTES]  # the one cut short is gone
+    store.close()
+
+
+class SignalWhileReserving(BaseHook):
+    """Sends SIGUSR1 to this process at the reservation's second write (CheckpointingHook's
+    exit signals are installed by then)."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        from trainfsm.checkpoint import io
+
+        real = io.DurableWriter.write
+        self.writes = 0
+
+        def write(writer: Any, data: Any) -> int:
+            if RECYCLE in str(writer._path):
+                self.writes += 1
+                if self.writes == 2:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+            return real(writer, data)
+
+        monkeypatch.setattr(io.DurableWriter, "write", write)
+
+
+def test_a_signal_during_restores_reservation_stops_it_and_the_run_leaves_from_restore(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # 4 GB took 11.5 s to reserve here: a preempted run must not wait for it.
+    sender = SignalWhileReserving(monkeypatch)
+    trainer = Wide([CheckpointingHook(interval=1), sender], max_steps=2, workspace=tmp_path, device="cpu")
+    with pytest.raises(SystemExit) as exited:
+        trainer.train()
+    assert exited.value.code == 138
+    events = [json.loads(line) for line in (tmp_path / "logs" / "events.rank0.jsonl").read_text().splitlines()]
+    (reserved,) = [e for e in events if e["event"] == "checkpoint_room_reserved"]
+    assert reserved["complete"] is False and reserved["bytes"] == 0  # stopped in its first file
+    assert sender.writes == 2  # not one write more: 2 x 9.4 MB would be ~5 of them
+    transitions = [e["trigger"] for e in events if e["event"] == "transition"]
+    assert transitions == ["built", "preempt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []  # EXIT deleted the reserved files

@@ -60,11 +60,12 @@ def reserve_room(trainer: BaseTrainer, store: CheckpointStore, model_state: dict
     save's model and optimizer state (``model_state``, its global shapes: what a full save
     gathers; ``optimizer_state_bytes``), so that the saves before the first prune write over
     allocated blocks as later ones do (``CheckpointStore.reserve``). The trail says how much and
-    how long (``checkpoint_room_reserved``)."""
+    how long (``checkpoint_room_reserved``). An exit signal stops it where it is: the run leaves at
+    RESTORE's end, and EXIT deletes what was written (``complete=False``)."""
     started = time.perf_counter()
     sizes = {"model": tensor_bytes(model_state), "training_state": optimizer_state_bytes(trainer)}
     try:
-        written = store.reserve(sizes, copies)
+        written = store.reserve(sizes, copies, stop=trainer._exit_pending)
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -75,8 +76,9 @@ def reserve_room(trainer: BaseTrainer, store: CheckpointStore, model_state: dict
             f"with that much room (keep_previous=0 needs the least: two checkpoints, as a save writes the "
             f"new one beside the last)."
         ) from error
-    if written:
-        trainer.events.debug("checkpoint_room_reserved", bytes=written, seconds=round(time.perf_counter() - started, 6))
+    if written.bytes or not written.complete:
+        seconds, complete = round(time.perf_counter() - started, 6), written.complete
+        trainer.events.debug("checkpoint_room_reserved", bytes=written.bytes, seconds=seconds, complete=complete)
 
 
 def optimizer_state_bytes(trainer: BaseTrainer) -> int:

@@ -45,11 +45,11 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from trainfsm.checkpoint.io import (
     BUFFER_BYTES,
@@ -108,6 +108,13 @@ RECYCLE: Final = f"{TMP_PREFIX}recycle"
 #: (its files, no manifest: ``trainfsm.checkpoint.trainloop``), or None for anything else under that name.
 TRAINFSM: Final = "trainfsm"
 TRAINLOOP: Final = "trainloop"
+
+
+class Reserved(NamedTuple):
+    """What ``CheckpointStore.reserve`` wrote: its bytes, and whether it wrote all it was asked."""
+
+    bytes: int
+    complete: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +203,14 @@ class CheckpointStore:
                         self.root.rmdir()  # nothing saved yet: no directory to show for it
         return time.perf_counter() - started
 
-    def reserve(self, sizes: dict[str, int], copies: int = 1) -> int:
+    def reserve(self, sizes: dict[str, int], copies: int = 1, stop: Callable[[], bool] | None = None) -> Reserved:
         """Write ``copies`` files of each of about ``sizes`` (file stem -> bytes, such as a
         checkpoint's about to be saved) for the next saves to write over, so that even the first
         saves find their room allocated (``prune``); returns the bytes written (0 where the files
-        kept for recycling hold that much already, or a file is too small to matter).
+        kept for recycling hold that much already, or a file is too small to matter), and whether
+        all were: ``stop`` is asked before each ``BUFFER_BYTES``, and where it says so the
+        reservation ends there (a file cut short is deleted). RESTORE's passes an exit signal
+        pending, so that a preempted run does not wait for seconds of writes it will not use.
 
         ``CheckpointingHook`` calls it in RESTORE with the sizes it knows then (the model's state
         and the optimizer's, estimated where its state appears at its first step) and one copy per
@@ -216,7 +226,7 @@ class CheckpointStore:
         bin_ = self.root / RECYCLE
         with self._saving:
             if not wanted or _pt_bytes(bin_) >= sum(wanted):
-                return 0
+                return Reserved(0, True)
             bin_.mkdir(parents=True, exist_ok=True)
             data = filler()
             written = 0
@@ -226,6 +236,10 @@ class CheckpointStore:
                 writer = DurableWriter(path, self._io, self._staging, direct=direct, keep_pages=True)
                 try:
                     for _ in range(-(-nbytes // BUFFER_BYTES)):
+                        if stop is not None and stop():
+                            writer.abort()
+                            path.unlink()
+                            return Reserved(written, False)
                         writer.write(data)
                     writer.finish()
                 except BaseException:
@@ -233,7 +247,7 @@ class CheckpointStore:
                     path.unlink(missing_ok=True)
                     raise
                 written += writer.bytes
-            return written
+            return Reserved(written, True)
 
     @property
     def mode(self) -> Choice | None:

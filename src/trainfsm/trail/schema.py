@@ -59,7 +59,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "checkpoint_pruned": ("paths",),
     "checkpoint_tmp_removed": ("names",),
     "checkpoint_store_ready": ("seconds", "direct_io", "chosen_by", "rates"),
-    "checkpoint_room_reserved": ("bytes", "seconds"),
+    "checkpoint_room_reserved": ("bytes", "seconds", "complete"),
     "checkpoint_failed": ("type", "message"),
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
     "signal_agreed": ("signal", "agreed_step", "reason", "step_ended_at"),
@@ -208,10 +208,11 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "way to write), so that the first save does none of it (DEBUG)",
     ),
     "checkpoint_room_reserved": (
-        "`bytes`, `seconds`",
-        "RESTORE wrote files as large as the first save's model and optimizer state, which the first save "
-        "writes over (as later saves write over pruned checkpoints' files), so that it finds its room "
-        "allocated; a disk without room for a checkpoint fails here (DEBUG)",
+        "`bytes`, `seconds`, `complete` (false: an exit signal stopped it, and the run leaves at RESTORE's end)",
+        "RESTORE wrote files as large as a save's model and optimizer state, one set per save before the "
+        "first prune (keep_previous + 2), which those saves write over (as later saves write over pruned "
+        "checkpoints' files), so that they find their room allocated; a disk without room for the run's "
+        "checkpoints fails here (DEBUG)",
     ),
     "checkpoint_failed": (
         "`type`, `message`",
