@@ -996,3 +996,32 @@ def test_load_names_a_pointer_that_is_a_plain_file_where_links_fail(
     resumed = Trainer(CheckpointingHook(interval=4, load="best"), max_steps=8, workspace=tmp_path)
     resumed.train()
     assert [e["path"] for e in events(tmp_path, "checkpoint_loaded")] == [str(root / "4")]
+
+
+def test_a_save_writes_its_next_file_before_it_fsyncs_the_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fsyncs come after the last file: a small file's pickling is hidden behind a large file's
+    # draining writeback, and each fsync waits only for what is left of its own file.
+    calls: list[tuple[str, str]] = []
+    pwrite, fsync = os.pwrite, os.fsync
+
+    def write(fd: int, data: Any, offset: int) -> int:
+        calls.append(("write", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return pwrite(fd, data, offset)
+
+    def sync(fd: int) -> None:
+        calls.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        fsync(fd)
+
+    store = CheckpointStore(tmp_path, direct_io=False)
+    store.prepare()
+    monkeypatch.setattr(os, "pwrite", write)
+    monkeypatch.setattr(os, "fsync", sync)
+    store.save(1, {"model": {"w": torch.randn(1 << 20)}, "training_state": {"step": 1}}, keep=False)
+    monkeypatch.undo()
+    store.close()
+    files = [(what, name) for what, name in calls if name.endswith(".pt")]
+    last_write = max(i for i, call in enumerate(files) if call[0] == "write")
+    first_fsync = min(i for i, call in enumerate(files) if call[0] == "fsync")
+    assert files[last_write] == ("write", "training_state.pt") and last_write < first_fsync
+    assert [call for call in files if call[0] == "fsync"] == [("fsync", "model.pt"), ("fsync", "training_state.pt")]
+    CheckpointStore.verify(tmp_path / "1")

@@ -334,18 +334,30 @@ class DurableWriter:
 
     def finish(self) -> dict[str, Any]:
         """Write the rest, wait for every write, fsync, close; returns the manifest entry."""
+        entry = self.complete()
+        self.sync()
+        return entry
+
+    def complete(self) -> dict[str, Any]:
+        """Write the rest and wait for every write: the file is whole (cut to its size), not yet
+        durable; returns the manifest entry. ``sync`` makes it durable. Between the two, the
+        caller may write its next files while this one's writeback drains (``CheckpointStore``)."""
         if self._filled:
             self._send()
         for index in range(len(self._buffers)):
             self._wait_for_write(index)
         if self._padded:
             os.ftruncate(self._fd, self.bytes)
+            self._padded = False
+        return {"bytes": self.bytes, "digest": str(self._hash.hexdigest())}
+
+    def sync(self) -> None:
+        """fsync and close (after ``complete``)."""
         os.fsync(self._fd)
         if self._direct or self._writeback is None or self._keep_pages:
             os.close(self._fd)
         else:  # durable now; dropping its clean pages (~12 ms per 200 MB) need not delay the save
             self._drops.submit(self._drop_pages_and_close)
-        return {"bytes": self.bytes, "digest": str(self._hash.hexdigest())}
 
     def _drop_pages_and_close(self) -> None:
         """On ``drops``' thread (the store's own: on the I/O thread the next file's first write

@@ -317,40 +317,52 @@ class CheckpointStore:
         direct = True
         reused = False
         self.written_with = self._mode.choice
-        for stem, obj in parts.items():
-            # Each file its own way, by its size: its size last time, or its tensors' bytes.
-            expected = self._file_bytes.get(stem)
-            if expected is None:
-                expected = tensor_bytes(obj)
-            choice = self._mode.for_file(expected)
-            writing = time.perf_counter()
-            path = tmp / f"{stem}.pt"
-            writer = DurableWriter(
-                path,
-                self._io,
-                self._staging,
-                direct=choice.direct,
-                checksum=self.checksum,
-                drops=self._drops,
-                overwrite=self._reuse(expected, path),
-                keep_pages=_recyclable(expected, keep),
-            )
-            reused = reused or writer.overwrites
-            try:
+        # Each file is written whole, then the next; the fsyncs come after the last one, so that a
+        # file's writeback drains while the next is serialized (a small file's pickling, hidden
+        # behind a large one's last writes), and each waits only for what is left of its own.
+        unsynced: list[tuple[DurableWriter, Choice, float]] = []  # writer, its way, its seconds writing
+        try:
+            for stem, obj in parts.items():
+                # Each file its own way, by its size: its size last time, or its tensors' bytes.
+                expected = self._file_bytes.get(stem)
+                if expected is None:
+                    expected = tensor_bytes(obj)
+                choice = self._mode.for_file(expected)
+                writing = time.perf_counter()
+                path = tmp / f"{stem}.pt"
+                writer = DurableWriter(
+                    path,
+                    self._io,
+                    self._staging,
+                    direct=choice.direct,
+                    checksum=self.checksum,
+                    drops=self._drops,
+                    overwrite=self._reuse(expected, path),
+                    keep_pages=_recyclable(expected, keep),
+                )
+                unsynced.append((writer, choice, 0.0))
+                reused = reused or writer.overwrites
                 serialize(obj, writer)
-                files[f"{stem}.pt"] = writer.finish()
-            except BaseException:
+                files[f"{stem}.pt"] = writer.complete()
+                unsynced[-1] = (writer, choice, time.perf_counter() - writing)
+                self._file_bytes[stem] = writer.bytes
+            while unsynced:
+                writer, choice, seconds = unsynced[0]
+                syncing = time.perf_counter()
+                writer.sync()
+                unsynced.pop(0)
+                # How fast (its writing and its own fsync), where it wrote over a kept file as saves
+                # do once running: a new file's blocks (and fresh pages) are a one-off, not the way's rate.
+                seconds += time.perf_counter() - syncing
+                self._mode.after_write(writer.direct, writer.bytes, seconds, rated=writer.overwrites)
+                if writer.bytes >= largest:
+                    largest, self.written_with = writer.bytes, choice
+                total += writer.bytes
+                direct = direct and writer.direct
+        except BaseException:
+            for writer, _, _ in unsynced:
                 writer.abort()
-                raise
-            # How fast, where it wrote over a kept file as saves do once running: a new file's blocks
-            # (and fresh pages, through the page cache) are a one-off, not the way's rate.
-            seconds = time.perf_counter() - writing
-            self._mode.after_write(writer.direct, writer.bytes, seconds, rated=writer.overwrites)
-            self._file_bytes[stem] = writer.bytes
-            if writer.bytes >= largest:
-                largest, self.written_with = writer.bytes, choice
-            total += writer.bytes
-            direct = direct and writer.direct
+            raise
         for relative, entry in (written or {}).items():
             file = tmp / relative
             size = file.stat().st_size if file.is_file() else None
