@@ -320,7 +320,8 @@ class CheckpointStore:
         # Each file is written whole, then the next; the fsyncs come after the last one, so that a
         # file's writeback drains while the next is serialized (a small file's pickling, hidden
         # behind a large one's last writes), and each waits only for what is left of its own.
-        unsynced: list[tuple[DurableWriter, Choice, float]] = []  # writer, its way, its seconds writing
+        unsynced: list[DurableWriter] = []  # aborted (their descriptors closed) if the save fails
+        ways: list[tuple[Choice, float]] = []  # each file's way and its seconds writing
         try:
             for stem, obj in parts.items():
                 # Each file its own way, by its size: its size last time, or its tensors' bytes.
@@ -340,14 +341,14 @@ class CheckpointStore:
                     overwrite=self._reuse(expected, path),
                     keep_pages=_recyclable(expected, keep),
                 )
-                unsynced.append((writer, choice, 0.0))
+                unsynced.append(writer)
                 reused = reused or writer.overwrites
                 serialize(obj, writer)
                 files[f"{stem}.pt"] = writer.complete()
-                unsynced[-1] = (writer, choice, time.perf_counter() - writing)
+                ways.append((choice, time.perf_counter() - writing))
                 self._file_bytes[stem] = writer.bytes
-            while unsynced:
-                writer, choice, seconds = unsynced[0]
+            for choice, seconds in ways:
+                writer = unsynced[0]
                 syncing = time.perf_counter()
                 writer.sync()
                 unsynced.pop(0)
@@ -360,7 +361,7 @@ class CheckpointStore:
                 total += writer.bytes
                 direct = direct and writer.direct
         except BaseException:
-            for writer, _, _ in unsynced:
+            for writer in unsynced:
                 writer.abort()
             raise
         for relative, entry in (written or {}).items():
