@@ -250,7 +250,8 @@ def one_trainer(directory: Path, megabytes: int, kind: str, saves: int) -> dict[
     saved = [e for e in saved if e["event"] == "checkpoint_saved"]
     for path in sorted(workspace.rglob("*"), reverse=True):  # free the disk for the next one
         path.unlink() if path.is_file() or path.is_symlink() else path.rmdir()
-    return {"seconds": blocked, "bytes": saved[-1]["bytes"], "direct_io": saved[-1]["direct_io"]}
+    tried = sum(e["chosen_by"] == "trying the other way" for e in saved)
+    return {"seconds": blocked, "bytes": saved[-1]["bytes"], "direct": [e["direct_io"] for e in saved], "tried": tried}
 
 
 def hook_child(directory: Path, megabytes: int, rounds: int, saves: int, pause: float) -> None:
@@ -286,8 +287,11 @@ def through_the_hook(directory: Path, megabytes: int, rounds: int, saves: int, p
     print(f"\n{megabytes} MB through CheckpointingHook, {rounds} rounds of {saves} saves, a fresh process (seconds)")
     for kind in ("momentum", "plain SGD", "async"):
         seconds = later(kind)
+        direct = sum(d for run in runs[kind] for d in run["direct"])
+        ways = f"{sum(len(run['direct']) for run in runs[kind]) - direct} page cache, {direct} O_DIRECT"
+        ways += f", {sum(run['tried'] for run in runs[kind])} tries"
         print(
-            f"  {kind:<10} {runs[kind][0]['bytes'] / MB:7.1f} MB (O_DIRECT {runs[kind][0]['direct_io']}): later "
+            f"  {kind:<10} {runs[kind][0]['bytes'] / MB:7.1f} MB ({ways}): later "
             f"saves total {sum(seconds):7.3f} ({per_gb(kind):5.3f} s/GB) | median {statistics.median(seconds):6.3f} "
             f"max {max(seconds):6.3f}; first saves {' '.join(f'{f:.3f}' for f in first(kind))}"
             + ("  (the first is the process's first save)" if kind == process_first else "")

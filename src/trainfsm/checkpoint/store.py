@@ -156,6 +156,7 @@ class CheckpointStore:
         self.wrote_directly = False
         self.written_with: Choice | None = None  # the way the last save's largest file was written, and why
         self._file_bytes: dict[str, int] = {}  # each file's size at the last save: how its next one is written
+        self._cached = _CachedFiles()  # which recycled files a page-cache write finds in the cache
         # Pointers to move with a later save (point_when_saved): pointer -> first step it may name.
         # Registered on the training thread, applied on the one that saves (an async writer).
         self._due: dict[str, int] = {}
@@ -246,6 +247,7 @@ class CheckpointStore:
                     writer.abort()
                     path.unlink(missing_ok=True)
                     raise
+                self._cached.wrote(path, cached=not writer.direct)
                 written += writer.bytes
             return Reserved(written, True)
 
@@ -321,7 +323,9 @@ class CheckpointStore:
         # file's writeback drains while the next is serialized (a small file's pickling, hidden
         # behind a large one's last writes), and each waits only for what is left of its own.
         unsynced: list[DurableWriter] = []  # aborted (their descriptors closed) if the save fails
-        ways: list[tuple[Choice, float]] = []  # each file's way and its seconds writing
+        # Each file's way, its seconds writing, its path, whether it counts for its way's rate
+        # (``WriteMode.after_write``) and whether its pages stay cached.
+        ways: list[tuple[Choice, float, Path, bool, bool]] = []
         try:
             for stem, obj in parts.items():
                 # Each file its own way, by its size: its size last time, or its tensors' bytes.
@@ -331,6 +335,8 @@ class CheckpointStore:
                 choice = self._mode.for_file(expected)
                 writing = time.perf_counter()
                 path = tmp / f"{stem}.pt"
+                overwrite, cached = self._reuse(expected, path, choice.direct)
+                keep_pages = _recyclable(expected, keep)
                 writer = DurableWriter(
                     path,
                     self._io,
@@ -338,24 +344,27 @@ class CheckpointStore:
                     direct=choice.direct,
                     checksum=self.checksum,
                     drops=self._drops,
-                    overwrite=self._reuse(expected, path),
-                    keep_pages=_recyclable(expected, keep),
+                    overwrite=overwrite,
+                    keep_pages=keep_pages,
                 )
                 unsynced.append(writer)
-                reused = reused or writer.overwrites
+                reused = reused or overwrite
                 serialize(obj, writer)
                 files[f"{stem}.pt"] = writer.complete()
-                ways.append((choice, time.perf_counter() - writing))
+                # It counts for its way where it wrote over a file as saves do once running: with
+                # O_DIRECT over its blocks, through the page cache over its cached pages too. A new
+                # file's blocks and fresh pages are a one-off, not the way's rate.
+                rated = overwrite and (writer.direct or cached)
+                ways.append((choice, time.perf_counter() - writing, path, rated, keep_pages))
                 self._file_bytes[stem] = writer.bytes
-            for choice, seconds in ways:
+            for choice, seconds, path, rated, keep_pages in ways:
                 writer = unsynced[0]
                 syncing = time.perf_counter()
                 writer.sync()
                 unsynced.pop(0)
-                # How fast (its writing and its own fsync), where it wrote over a kept file as saves
-                # do once running: a new file's blocks (and fresh pages) are a one-off, not the way's rate.
-                seconds += time.perf_counter() - syncing
-                self._mode.after_write(writer.direct, writer.bytes, seconds, rated=writer.overwrites)
+                seconds += time.perf_counter() - syncing  # its writing and its own fsync
+                self._mode.after_write(writer.direct, writer.bytes, seconds, rated=rated)
+                self._cached.wrote(path, cached=keep_pages and not writer.direct)
                 if writer.bytes >= largest:
                     largest, self.written_with = writer.bytes, choice
                 total += writer.bytes
@@ -574,23 +583,53 @@ class CheckpointStore:
         finally:
             shutil.rmtree(aside, ignore_errors=True)
 
-    def _reuse(self, nbytes: int, path: Path) -> bool:
-        """Move a recycled file to ``path`` for a file of about ``nbytes`` to be written over it:
-        the smallest that holds ``nbytes``, else the largest. Whether there was one (never for a
-        small file: it would cut a large one down)."""
+    def _reuse(self, nbytes: int, path: Path, direct: bool) -> tuple[bool, bool]:
+        """Move a recycled file to ``path`` for a file of about ``nbytes`` to be written over it
+        the ``direct`` way: of the files that hold ``nbytes`` (else of all: the largest), through
+        the page cache one whose pages are cached (``_cached``), with ``O_DIRECT`` one whose are
+        not (its write would drop them), then the smallest. Whether there was one (never for a small
+        file: it would cut a large one down), and whether its pages were cached."""
         if nbytes < RECYCLED_BYTES:
-            return False
+            return False, False
         bin_ = self.root / RECYCLE
         try:
-            files = [(entry.stat().st_size, entry.path) for entry in os.scandir(bin_) if entry.name.endswith(".pt")]
+            files = [(entry.stat(), entry.path) for entry in os.scandir(bin_) if entry.name.endswith(".pt")]
         except FileNotFoundError:
-            return False
+            return False, False
         if not files:
-            return False
-        large_enough = [f for f in files if f[0] >= nbytes]
-        _, chosen = min(large_enough) if large_enough else max(files)
+            return False, False
+        large_enough = [f for f in files if f[0].st_size >= nbytes]
+        candidates = large_enough or [max(files, key=lambda f: f[0].st_size)]
+        stat, chosen = min(candidates, key=lambda f: (self._cached.holds(f[0]) == direct, f[0].st_size))
         os.rename(chosen, path)  # durable with both directories' fsyncs (``_save_into``)
-        return True
+        return True, self._cached.holds(stat)
+
+
+class _CachedFiles:
+    """The store's files whose pages this process left in the page cache: written through it with
+    their pages kept (``DurableWriter(keep_pages=True)``), and not written since.
+
+    A page-cache write over cached pages needs no fresh memory; over a file whose pages are gone
+    (written with ``O_DIRECT``, which drops them, or by an earlier process) it does, and on this
+    virtual machine that costs ~2.6 s per GB after a pause, 7x the write itself (``WriteMode``).
+    So such a write says nothing of the page cache's rate, and a page-cache save takes a cached
+    file where there is one. A file is known by its inode, valid while its mtime and size are the
+    ones its write left (a rename keeps both; anything written to it since changes them). Pages the
+    kernel evicts meanwhile are not seen: the belief errs towards rating a slow write, as before.
+    """
+
+    def __init__(self) -> None:
+        self._files: dict[int, tuple[int, int]] = {}  # inode -> (mtime_ns, size) as its write left it
+
+    def wrote(self, path: Path, cached: bool) -> None:
+        stat = path.stat()
+        if cached:
+            self._files[stat.st_ino] = (stat.st_mtime_ns, stat.st_size)
+        else:
+            self._files.pop(stat.st_ino, None)
+
+    def holds(self, stat: os.stat_result) -> bool:
+        return self._files.get(stat.st_ino) == (stat.st_mtime_ns, stat.st_size)
 
 
 def _recyclable(nbytes: int, keep: bool) -> bool:

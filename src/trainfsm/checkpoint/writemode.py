@@ -29,10 +29,14 @@ slower for files of a GB. So with ``direct_io="auto"`` (the default) the store m
   serializing it to its fsync; a way's rate at a size is the bytes over the seconds of its last
   ``SAVES_KEPT`` files. A new file does not count: its blocks and, through the page cache, its
   pages are found once (200 MB into fresh pages after a pause: 0.63 s against 0.08 s over kept
-  ones), and counting it would leave the page cache for good after one such file.
-  When that is below the other way's probe, the next file of that size tries the other way; once
-  both ways have files of that size, the faster is used. A save's rate is what counts: a probe's
-  small files may flatter a way that a large checkpoint does not;
+  ones), and counting it would leave the page cache for good after one such file. Nor does a
+  page-cache write over a file whose pages are not cached (the store knows which it left there:
+  ``O_DIRECT`` drops a file's pages, so after a try of ``O_DIRECT`` the page cache's next write
+  over that file takes fresh pages; counted, it lost the page cache its place, in 2 of 4 runs of
+  the benchmark). When a way's saves are below the other way's probe by ``TRY_MARGIN``, the next
+  file of that size tries the other way; once both ways have files of that size, the faster is
+  used. A save's rate is what counts: a probe's small files may flatter a way that a large
+  checkpoint does not;
 - **a re-check, now and then**: saves' rates count for ``RECHECK_SECONDS``, and the probe runs
   again on a thread of its own after a save once it is that old, holding the store's save lock (a
   save that comes meanwhile waits for it). A way in use is left only for one faster by more than
@@ -72,6 +76,12 @@ PROBE_BYTES: Final = 32 << 20
 PROBE_FILES: Final = 2  # timed writes per way, after each way's first: 192 MiB in all, ~0.1 s here
 RECHECK_SECONDS: Final = 600.0
 SWITCH_MARGIN: Final = 1.10
+# The other way is tried for one file only where its probe promises this much more than the saves
+# of the way in use: a try is not free. Here an ``O_DIRECT`` write drops the file's cached pages, so
+# the page cache's next write over that file takes fresh ones (1 GB: 3.0 s against 0.3 s), and a
+# save's rate counts serializing and checksums that the probe's rate does not (200 MB saves through
+# the page cache at 1.8-2.5 GB/s, where its probe gave 2.4-3.4 and ``O_DIRECT``'s 1.6-2.2).
+TRY_MARGIN: Final = 1.5
 SAVES_KEPT: Final = 4  # per way: a rate is their bytes over their seconds
 RATED_BYTES: Final = 2 * PROBE_BYTES  # a save this large or larger counts as a measurement of its way
 PROBE_PREFIX: Final = ".tmp-probe-"  # store.TMP_PREFIX: leftovers of a crash are removed in RESTORE
@@ -239,8 +249,8 @@ class WriteMode:
 
         Files of its size (the last ``SAVES_KEPT`` of each way, at most ``RECHECK_SECONDS`` old)
         written both ways: the faster of them. Written one way only: the other way is tried for one
-        file when its probe is faster than these files (a probe's small files may flatter a way that
-        large ones do not: the saves are what counts). None yet: the faster probe. A way in use
+        file when its probe is faster than these files by ``TRY_MARGIN`` (a probe's small files may
+        flatter a way that large ones do not: the saves are what counts). None yet: the faster probe. A way in use
         keeps its place unless the other is faster by ``SWITCH_MARGIN``, so that noise does not
         flip it back and forth.
         """
@@ -264,7 +274,7 @@ class WriteMode:
             return Choice(other if saved[other] > saved[current] * SWITCH_MARGIN else current, "saves", rates)
         theirs = probe_direct if other else probe_page
         if current in saved:
-            if theirs > saved[current] * SWITCH_MARGIN:
+            if theirs > saved[current] * TRY_MARGIN:
                 return Choice(other, "trying the other way", rates)
             return Choice(current, "saves", rates)
         mine = probe_page if other else probe_direct
