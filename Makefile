@@ -39,10 +39,10 @@ demo: setup
 	$(BIN)/trainfsm demo $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow" --timeout 300 $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" --timeout 300 --durations=15 $(XDIST) $(PYTEST_ARGS)
 
 test-all: setup
-	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=40 $(XDIST) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check $(LINTED)

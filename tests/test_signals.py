@@ -145,6 +145,28 @@ def test_a_signal_during_restore_exits_without_saving(tmp_path: Path) -> None:
     assert not (tmp_path / "checkpoints").exists()
 
 
+class AsksExitPending(BaseHook):
+    """Reads ``trainer.exit_pending`` in RESTORE, before and after a signal to this process."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_enter_restore(self, trainer: Any) -> None:
+        self.seen.append(trainer.exit_pending)
+        _kill_self()
+        self.seen.append(trainer.exit_pending)
+
+
+def test_exit_pending_says_in_restore_that_a_signal_came_and_the_run_will_leave(tmp_path: Path) -> None:
+    asks = AsksExitPending()
+    run = trainer(tmp_path, asks)
+    assert run.exit_pending is False  # before train()
+    with pytest.raises(SystemExit):
+        run.train()
+    assert asks.seen == [False, True]
+    assert outline(tmp_path)[-2:] == ["preempt:RESTORE>EXIT", "exit:preempted:138"]
+
+
 def test_a_signal_during_a_checkpoint_write_lets_the_write_finish(tmp_path: Path) -> None:
     run = TinyTrainer(
         max_steps=6,

@@ -242,9 +242,12 @@ class BaseTrainer(fsm.Triggers):
         them from the very start of BUILD). Handlers are installed by ``train()``, not here."""
         self.exit_policy = exit_policy("set_exit_signals()", signals, exit_code, exit_wait, requeue, max_requeues)
 
-    def _exit_pending(self) -> bool:
-        """Whether an exit signal (or the job's end) is pending on this rank: long work in RESTORE
-        (``CheckpointingHook``'s reservation) stops early, since the run leaves at RESTORE's end."""
+    @property
+    def exit_pending(self) -> bool:
+        """Whether an exit signal (or the job's end) has come on this rank and the run is about to
+        leave: long work in a hook's RESTORE (``CheckpointingHook``'s reservation of the first
+        saves' room) may stop early, since the run goes to EXIT at RESTORE's end. False before
+        ``train()``."""
         run = self._run
         return run is not None and bool(run.preemption.watcher.pending)
 

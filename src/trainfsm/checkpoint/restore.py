@@ -65,7 +65,7 @@ def reserve_room(trainer: BaseTrainer, store: CheckpointStore, model_state: dict
     started = time.perf_counter()
     sizes = {"model": tensor_bytes(model_state), "training_state": optimizer_state_bytes(trainer)}
     try:
-        written = store.reserve(sizes, copies, stop=trainer._exit_pending)
+        written = store.reserve(sizes, copies, stop=lambda: trainer.exit_pending)
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

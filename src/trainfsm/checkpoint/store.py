@@ -235,18 +235,21 @@ class CheckpointStore:
                 path = bin_ / f"{uuid.uuid4().hex[:12]}.pt"
                 direct = self._mode.for_file(nbytes).direct
                 writer = DurableWriter(path, self._io, self._staging, direct=direct, keep_pages=True)
+                complete = False
                 try:
                     for _ in range(-(-nbytes // BUFFER_BYTES)):
                         if stop is not None and stop():
-                            writer.abort()
-                            path.unlink()
-                            return Reserved(written, False)
+                            break
                         writer.write(data)
-                    writer.finish()
-                except BaseException:
-                    writer.abort()
-                    path.unlink(missing_ok=True)
-                    raise
+                    else:
+                        writer.finish()
+                        complete = True
+                finally:
+                    if not complete:  # stopped, or failed: no file cut short stays behind
+                        writer.abort()
+                        path.unlink(missing_ok=True)
+                if not complete:
+                    return Reserved(written, False)
                 self._cached.wrote(path, cached=not writer.direct)
                 written += writer.bytes
             return Reserved(written, True)
