@@ -162,7 +162,8 @@ def test_the_trainer_leaves_by_the_preemption_path_before_the_jobs_end_and_resum
     [agreed] = [e for e in events if e["event"] == "signal_agreed"]
     assert names.index("deadline") + 1 == names.index("signal_agreed")
     assert (agreed["signal"], agreed["reason"], agreed["agreed_step"]) == ("SIGTERM", "deadline", made["step"])
-    assert made["end_time"] == end and 0 < made["left"] < made["needed"] and made["margin"] == 0.25
+    # left < needed fires it; to the millisecond the event gives, the two can be equal
+    assert made["end_time"] == end and 0 < made["left"] <= made["needed"] and made["margin"] == 0.25
     assert made["decided_at"] <= agreed["step_ended_at"] <= agreed["ts"]
     saved = [e for e in events if e["event"] == "checkpoint_saved"]
     assert [e["saved_step"] for e in saved] == [agreed["agreed_step"]] and saved[0]["ts"] < end

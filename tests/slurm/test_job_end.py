@@ -214,7 +214,9 @@ def test_a_job_with_a_time_limit_and_no_signal_ends_each_attempt_by_its_own_dead
         [made] = [e for e in mine if e["event"] == "deadline"]
         [agreed] = [e for e in mine if e["event"] == "signal_agreed"]
         assert (agreed["reason"], agreed["signal"], agreed["agreed_step"]) == ("deadline", "SIGUSR1", made["step"])
-        assert made["end_time"] == end and made["left"] < made["needed"]
+        # The trainer fires once left < needed; the event gives both to the millisecond, which can
+        # make them equal (CI: 15.133 and 15.133).
+        assert made["end_time"] == end and made["left"] <= made["needed"]
         assert not [e for e in mine if e["event"] == "signal_received"]  # SLURM sent nothing
         assert [e["saved_step"] for e in mine if e["event"] == "checkpoint_saved"][-1] == made["step"]
         requeue = next(e for e in mine if e["event"] == "requeue")
