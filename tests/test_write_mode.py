@@ -377,8 +377,8 @@ def test_a_save_takes_the_recycled_file_whose_pages_suit_its_way(
     cached, uncached = bin_ / "a.pt", bin_ / "b.pt"
     cached.write_bytes(bytes(4096 if direct else 8192))
     uncached.write_bytes(bytes(8192 if direct else 4096))
-    store._cached.wrote(cached, cached=True)
-    store._cached.wrote(uncached, cached=False)
+    store._cached.mark(cached, cached=True)
+    store._cached.mark(uncached, cached=False)
     inodes = {cached.stat().st_ino: "cached", uncached.stat().st_ino: "uncached"}
     target = tmp_path / "model.pt"
     assert store._reuse(4096, target, direct) == (True, not direct)
@@ -389,7 +389,7 @@ def test_a_file_changed_since_its_write_is_not_taken_for_cached(tmp_path: Path) 
     store = CheckpointStore(tmp_path)
     path = tmp_path / "model.pt"
     path.write_bytes(bytes(4096))
-    store._cached.wrote(path, cached=True)
+    store._cached.mark(path, cached=True)
     assert store._cached.holds(path.stat())
     path.write_bytes(bytes(8192))  # written by something else since: its pages are not ours to know
     assert not store._cached.holds(path.stat())

@@ -4,8 +4,8 @@ Each trial runs the deterministic script of ``kill_resume.py`` (its Checkpointin
 these three signals), signals it ``--signals`` times at moments drawn uniformly over the whole
 life of ``train()``: from the first line of its trail (``run_start``) to the end, so BUILD (which
 holds the signals until the hook's policy is known), RESTORE, steps, CHECKPOINT and EXIT all get
-their share; every other signal is drawn over what is left of the training only (from RESTORE
-on), so that a BUILD slowed by a loaded machine does not take them all. It restarts the script
+their share; every other signal is drawn over what is left of the training only (from the
+trail's ``restore`` event on), so that a BUILD slowed by a loaded machine does not take them all. It restarts the script
 after each exit and lets the last run finish. A trial passes when every signalled run ended as the rule says:
 
 - signalled during training: exit ``128 + signal`` with a checkpoint at the agreed step;
@@ -57,16 +57,14 @@ def trial(
         process = _launch(workspace, out, slow)
         sig = None
         if sent < signals:
-            while process.poll() is None and _count(workspace, "run_start") == attempt:
-                time.sleep(0.005)
+            _wait_for_event(process, workspace, "run_start", attempt)
             left = 1.0 - _last_step(workspace) / STEPS
             if sent % 2:
-                # Every other signal at a moment of what is left of the training (RESTORE to EXIT),
-                # drawn once RESTORE began: under load BUILD can outlast the reference's whole run,
-                # and then no signal drawn from run_start would land in training (CI saw 24 of 24
-                # land in BUILD).
-                while process.poll() is None and _count(workspace, "restore") == restores:
-                    time.sleep(0.005)
+                # Every other signal at a moment of what is left of the training, drawn once the
+                # trail says ``restore`` (the hooks' RESTORE work is done): under load BUILD can
+                # outlast the reference's whole run, and then no signal drawn from run_start would
+                # land in training (CI saw 24 of 24 land in BUILD).
+                _wait_for_event(process, workspace, "restore", restores)
                 time.sleep(rng.uniform(0.0, left * ref.training))
             else:
                 time.sleep(rng.uniform(0.0, ref.startup + left * ref.training))
@@ -96,6 +94,12 @@ def trial(
     if not all(torch.equal(a, b) for a, b in zip(final, ref.parameters, strict=True)):
         return False, "final parameters differ from the uninterrupted run", sent
     return True, f"{sent} signals: {', '.join(where)}; preemptions: {'; '.join(timings) or 'none'}", sent
+
+
+def _wait_for_event(process: Any, workspace: Path, event: str, seen: int) -> None:
+    """Until the trail has more than ``seen`` ``event`` records, or the process ended."""
+    while process.poll() is None and _count(workspace, event) == seen:
+        time.sleep(0.005)
 
 
 def preemption_timings(workspace: Path) -> tuple[str, list[str]]:

@@ -327,6 +327,16 @@ class DurableWriter:
         """Whether the file is (still) written past the page cache."""
         return self._direct
 
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def pages_cached(self) -> bool:
+        """Whether the file's pages stay in the page cache once it is synced (``sync`` drops
+        them unless ``keep_pages``, or where the kernel takes no hint)."""
+        return not self._direct and (self._keep_pages or self._writeback is None)
+
     def flush(self) -> None:
         """Part of the file protocol ``torch.save`` writes through; the bytes reach the disk in
         ``finish()`` (write, fsync), so there is nothing to do here."""

@@ -250,7 +250,7 @@ class CheckpointStore:
                         path.unlink(missing_ok=True)
                 if not complete:
                     return Reserved(written, False)
-                self._cached.wrote(path, cached=not writer.direct)
+                self._cached.wrote(writer)
                 written += writer.bytes
             return Reserved(written, True)
 
@@ -326,9 +326,8 @@ class CheckpointStore:
         # file's writeback drains while the next is serialized (a small file's pickling, hidden
         # behind a large one's last writes), and each waits only for what is left of its own.
         unsynced: list[DurableWriter] = []  # aborted (their descriptors closed) if the save fails
-        # Each file's way, its seconds writing, its path, whether it counts for its way's rate
-        # (``WriteMode.after_write``) and whether its pages stay cached.
-        ways: list[tuple[Choice, float, Path, bool, bool]] = []
+        # Each file's way, its seconds writing, and whether it counts for its way's rate.
+        ways: list[tuple[Choice, float, bool]] = []
         try:
             for stem, obj in parts.items():
                 # Each file its own way, by its size: its size last time, or its tensors' bytes.
@@ -339,7 +338,6 @@ class CheckpointStore:
                 writing = time.perf_counter()
                 path = tmp / f"{stem}.pt"
                 overwrite, cached = self._reuse(expected, path, choice.direct)
-                keep_pages = _recyclable(expected, keep)
                 writer = DurableWriter(
                     path,
                     self._io,
@@ -348,7 +346,7 @@ class CheckpointStore:
                     checksum=self.checksum,
                     drops=self._drops,
                     overwrite=overwrite,
-                    keep_pages=keep_pages,
+                    keep_pages=_recyclable(expected, keep),
                 )
                 unsynced.append(writer)
                 reused = reused or overwrite
@@ -358,16 +356,16 @@ class CheckpointStore:
                 # O_DIRECT over its blocks, through the page cache over its cached pages too. A new
                 # file's blocks and fresh pages are a one-off, not the way's rate.
                 rated = overwrite and (writer.direct or cached)
-                ways.append((choice, time.perf_counter() - writing, path, rated, keep_pages))
+                ways.append((choice, time.perf_counter() - writing, rated))
                 self._file_bytes[stem] = writer.bytes
-            for choice, seconds, path, rated, keep_pages in ways:
+            for choice, seconds, rated in ways:
                 writer = unsynced[0]
                 syncing = time.perf_counter()
                 writer.sync()
                 unsynced.pop(0)
                 seconds += time.perf_counter() - syncing  # its writing and its own fsync
                 self._mode.after_write(writer.direct, writer.bytes, seconds, rated=rated)
-                self._cached.wrote(path, cached=keep_pages and not writer.direct)
+                self._cached.wrote(writer)
                 if writer.bytes >= largest:
                     largest, self.written_with = writer.bytes, choice
                 total += writer.bytes
@@ -624,7 +622,11 @@ class _CachedFiles:
     def __init__(self) -> None:
         self._files: dict[int, tuple[int, int]] = {}  # inode -> (mtime_ns, size) as its write left it
 
-    def wrote(self, path: Path, cached: bool) -> None:
+    def wrote(self, writer: DurableWriter) -> None:
+        """After ``writer``'s sync: its file's pages are cached now, or not."""
+        self.mark(writer.path, writer.pages_cached)
+
+    def mark(self, path: Path, cached: bool) -> None:
         stat = path.stat()
         if cached:
             self._files[stat.st_ino] = (stat.st_mtime_ns, stat.st_size)
