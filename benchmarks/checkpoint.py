@@ -16,22 +16,25 @@
 2. **Through the hook**, in a fresh interpreter per size (so that its first save is the process's
    first): ``CheckpointingHook`` on a trainer with SGD + momentum (a model of the size given, and
    as much optimizer state) and one with plain SGD (no optimizer state; a model twice that size, so
-   that its checkpoints are as large as momentum's), both saving at every step,
-   and one with momentum and ``async_save=True`` saving every third step; the three trainers round
-   by round in a rotated order, each saving ``--saves`` times, each started on a settled disk
-   (``os.sync()`` and ``SETTLE_SECONDS``, as a run's start gives it). A save is timed from outside: the
-   wall time of the hook's CHECKPOINT entry (``trainer.state_dict()``, the write, pruning), plus for
-   an asynchronous save the waits before the optimizer steps after it (its copies). Targets: plain
+   that its checkpoints are as large as momentum's), both saving at every step (``SAVES`` times),
+   and one with momentum and ``async_save=True`` saving every third step. Round by round, the
+   momentum and plain-SGD trainers run at once in two threads that take turns (``Turns``): a step
+   and its save each, so their saves alternate one by one and each pair sees the same disk (this
+   machine's write speed drifts over seconds); the one to begin alternates. The async trainer runs
+   on its own, before or after them. Each trainer starts on a settled disk (``os.sync()`` and
+   ``SETTLE_SECONDS``, as a run's start gives it). A save is timed from outside: the wall time of
+   the hook's CHECKPOINT entry (``trainer.state_dict()``, the write, pruning), plus for an
+   asynchronous save the waits before the optimizer steps after it (its copies). Targets: plain
    SGD's later saves <= 1.05 x momentum's (totals, per byte: checkpoints of the same size, as the
    issue's "per 200 MB save" compared them; a save's fixed cost, ~6 ms of fsyncs, manifest,
-   pointer and pruning, would otherwise weigh twice on plain SGD's bytes); first saves <= 1.2 x later saves
-   (means over the trainers, the worse optimizer; the process's first save and the slowest first
-   save are printed beside it, against the later saves' median); an asynchronous save blocks the
-   loop <= 1% of a synchronous save's time (means over the later saves; the first asynchronous saves
-   beside it, which copy the optimizer state of a fresh run into new memory: RESTORE prepares only
-   what exists then).
+   pointer and pruning, would otherwise weigh twice on plain SGD's bytes); first saves <= 1.2 x
+   later saves (means over the trainers, the worse optimizer; the process's first save and the
+   slowest first save are printed beside it, against the later saves' median); an asynchronous
+   save blocks the loop <= 1% of a synchronous save's time (means over the later saves; the first
+   asynchronous saves beside it, which copy the optimizer state of a fresh run into new memory:
+   RESTORE prepares only what exists then).
 
-    python benchmarks/checkpoint.py                  # ~200 MB and ~1 GB, 5 rounds: ~5 minutes
+    python benchmarks/checkpoint.py                  # ~200 MB and ~1 GB, 5 rounds: ~12 minutes
     python benchmarks/checkpoint.py --quick          # a smoke run: 16 MB, 2 rounds, no verdict
 """
 
@@ -47,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -193,18 +197,23 @@ class Clock(BaseHook):
 
 
 class BigTrainer(BaseTrainer):
-    """One square linear layer of ``width``, batches of ``batch``; SGD, with ``momentum`` or without
-    (no optimizer state). ``sharded_checkpoint.py`` subclasses it."""
+    """``layers`` square linear layers of ``width``, each applied to the batch (``batch`` rows), the
+    loss the sum of theirs; SGD, with ``momentum`` or without (no optimizer state).
+    ``sharded_checkpoint.py`` subclasses it with one layer."""
 
-    def __init__(self, width: int, batch: int, hooks: list[Any], momentum: float = 0.0, **kwargs: Any) -> None:
+    def __init__(
+        self, width: int, batch: int, hooks: list[Any], momentum: float = 0.0, layers: int = 1, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self.width, self.batch, self.momentum, self.hook_list = width, batch, momentum, hooks
+        self.width, self.batch, self.momentum, self.hook_list, self.layers = width, batch, momentum, hooks, layers
 
     def build_data_loader(self) -> Any:
         return [torch.randn(self.batch, self.width)]
 
     def build_model(self) -> nn.Module:
-        return nn.Linear(self.width, self.width, bias=False)
+        if self.layers == 1:
+            return nn.Linear(self.width, self.width, bias=False)
+        return nn.ModuleList(nn.Linear(self.width, self.width, bias=False) for _ in range(self.layers))
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=self.momentum)  # type: ignore[union-attr]
@@ -213,8 +222,19 @@ class BigTrainer(BaseTrainer):
         return self.hook_list
 
     def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        return self.model(input).square().mean(), {}  # type: ignore[misc]
+        model = self.model
+        if isinstance(model, nn.ModuleList):
+            return torch.stack([layer(input).square().mean() for layer in model]).sum(), {}
+        return model(input).square().mean(), {}  # type: ignore[misc]
 
+
+#: The trainers' layers through the hook: 16 MB each, as a model's are (64 of them in 1 GB), not one
+#: layer of the whole size. Each step frees its gradients (``zero_grad(set_to_none=True)``) and the
+#: next backward allocates them again. Pieces of this size the allocator keeps and hands out again
+#: (1 GB of them: 0.04-0.07 s once warm), while one 1 GB piece goes back to the kernel and comes
+#: back as fresh pages, which this machine's host hands over slowly (0.21-1.27 s, and it takes the
+#: freed memory back in the background, during the save that follows).
+LAYER_BYTES = 16 * MB
 
 #: Seconds each trainer waits before it starts (after ``os.sync()``): a run's first save comes
 #: seconds after its start. On a virtual machine that hands free memory back to its host, a
@@ -222,24 +242,78 @@ class BigTrainer(BaseTrainer):
 #: 4 s idle against 0.067 s back to back); trainers started back to back would hide that.
 SETTLE_SECONDS = 2.0
 
+#: Saves per synchronous trainer. One save's time varies with the host's write cache (1 GB of model
+#: and momentum: 0.51-0.76 s, the same trainer, back to back), so plain SGD against momentum needs
+#: many saves to tell a 5% difference: ~13 later saves a trainer, five trainers of each kind.
+SAVES = 14
+
 
 def settle(seconds: float) -> None:
     os.sync()
     time.sleep(seconds)
 
 
-def one_trainer(directory: Path, megabytes: int, kind: str, saves: int) -> dict[str, Any]:
-    """Train one trainer of ``kind`` until it has saved ``saves`` times; its saves' seconds."""
+class Turns:
+    """Two trainers in two threads take turns: each runs only while it holds the turn, and hands it
+    over when a save is done. So momentum's and plain SGD's saves alternate one by one, and each
+    pair of saves sees the same disk and the same host: this machine's write speed drifts over
+    seconds (200 MB written over the same file, from the same buffer: 0.046 s a save for some
+    seconds, 0.067 s for the next), and trainers run one after the other compared those drifts
+    more than the optimizers (plain SGD against momentum swung 0.92-1.19 between runs)."""
+
+    def __init__(self) -> None:
+        self._turn = 0
+        self._done: set[int] = set()
+        self._changed = threading.Condition()
+
+    def wait(self, me: int) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._turn == me or 1 - me in self._done)
+
+    def hand_over(self, me: int) -> None:
+        with self._changed:
+            self._turn = 1 - me
+            self._changed.notify_all()
+
+    def finish(self, me: int) -> None:
+        with self._changed:
+            self._done.add(me)
+            self._turn = 1 - me
+            self._changed.notify_all()
+
+
+class Handover(BaseHook):
+    """Listed last: once a save is done (and timed), hands the turn over and waits for it back."""
+
+    def __init__(self, turns: Turns, me: int) -> None:
+        self.turns, self.me = turns, me
+
+    def on_enter_checkpoint(self, trainer: BaseTrainer) -> None:
+        self.turns.hand_over(self.me)
+        self.turns.wait(self.me)
+
+
+def one_trainer(
+    directory: Path, megabytes: int, kind: str, saves: int, pause: float, turns: tuple[Turns, int] | None = None
+) -> dict[str, Any]:
+    """Train one trainer of ``kind`` (in its turns, given ``turns``) until it has saved ``saves``
+    times, started on a settled disk; its saves' seconds."""
     momentum = 0.0 if kind == "plain SGD" else 0.9
     # Checkpoints of one size either way: plain SGD's model is as large as momentum's model and state.
-    width = int((megabytes * MB / 4 * (2 if momentum == 0.0 else 1)) ** 0.5)
+    layers = max(1, round(megabytes * MB / LAYER_BYTES)) * (2 if momentum == 0.0 else 1)
+    width = int((min(megabytes * MB, LAYER_BYTES) / 4) ** 0.5)
     asynchronous = kind == "async"
     interval = 3 if asynchronous else 1  # async: the next save comes once the last is durable
     marks: list[tuple[str, int, float]] = []
     hook = CheckpointingHook(interval=interval, async_save=asynchronous)
     workspace = directory / kind.replace(" ", "_")
-    hooks = [Clock(marks, 0), hook, Clock(marks, 1)]
-    trainer = BigTrainer(width, 8, hooks, momentum, max_steps=interval * saves, workspace=workspace, device="cpu")
+    hooks = [Clock(marks, 0), hook, Clock(marks, 1)] + ([Handover(*turns)] if turns else [])
+    if turns:
+        turns[0].wait(turns[1])
+    settle(pause)
+    trainer = BigTrainer(
+        width, 1, hooks, momentum, layers, max_steps=interval * saves, workspace=workspace, device="cpu"
+    )
     trainer.train()
     del trainer
     gc.collect()  # the trainer's reference cycles hold its model and optimizer state until a collection
@@ -252,26 +326,67 @@ def one_trainer(directory: Path, megabytes: int, kind: str, saves: int) -> dict[
     blocked = [s + sum(waits[(i + 1) * interval : (i + 2) * interval]) for i, s in enumerate(spans["save"])]
     saved = [json.loads(line) for line in (workspace / "logs" / "events.rank0.jsonl").read_text().splitlines()]
     saved = [e for e in saved if e["event"] == "checkpoint_saved"]
-    for path in sorted(workspace.rglob("*"), reverse=True):  # free the disk for the next one
-        path.unlink() if path.is_file() or path.is_symlink() else path.rmdir()
     tried = sum(e["chosen_by"] == "trying the other way" for e in saved)
     return {"seconds": blocked, "bytes": saved[-1]["bytes"], "direct": [e["direct_io"] for e in saved], "tried": tried}
 
 
-def hook_child(directory: Path, megabytes: int, rounds: int, saves: int, pause: float) -> None:
+def free(workspace: Path) -> None:
+    """Delete a trainer's files, so that the next one finds a free disk."""
+    for path in sorted(workspace.rglob("*"), reverse=True):
+        path.unlink() if path.is_file() or path.is_symlink() else path.rmdir()
+
+
+def in_turns(directory: Path, megabytes: int, kinds: list[str], saves: int, pause: float) -> list[dict[str, Any]]:
+    """Two trainers at once, in two threads, taking turns (``Turns``): ``kinds[0]`` first."""
+    turns = Turns()
+    results: list[dict[str, Any] | BaseException] = [RuntimeError("not run"), RuntimeError("not run")]
+
+    def run(me: int) -> None:
+        try:
+            results[me] = one_trainer(directory, megabytes, kinds[me], saves, pause, (turns, me))
+        except BaseException as error:  # raised again below, in the main thread
+            results[me] = error
+        finally:
+            turns.finish(me)
+
+    threads = [threading.Thread(target=run, args=(me,), name=kind) for me, kind in enumerate(kinds)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for kind in kinds:
+        free(directory / kind.replace(" ", "_"))
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
+
+
+def hook_child(directory: Path, megabytes: int, rounds: int, saves: int, async_saves: int, pause: float) -> None:
+    """Round by round: momentum and plain SGD in turns, the one to begin alternating; the async
+    trainer on its own, before them or after them (alternating every second round)."""
     torch.set_num_threads(1)
-    kinds = ["momentum", "plain SGD", "async"]
-    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in ("momentum", "plain SGD", "async")}
+    order = []
     for round_ in range(rounds):
-        for kind in kinds[round_ % 3 :] + kinds[: round_ % 3]:
-            settle(pause)
-            runs[kind].append(one_trainer(directory, megabytes, kind, saves))
-    print(json.dumps({"order": [kinds[r % 3 :] + kinds[: r % 3] for r in range(rounds)], "runs": runs}))
+        pair = ["momentum", "plain SGD"][:: 1 if round_ % 2 == 0 else -1]
+        order.append([*pair, "async"] if round_ // 2 % 2 == 0 else ["async", *pair])
+        for unit in ("async", "pair") if order[-1][0] == "async" else ("pair", "async"):
+            if unit == "async":
+                runs["async"].append(one_trainer(directory, megabytes, "async", async_saves, pause))
+                free(directory / "async")
+            else:
+                for kind, result in zip(pair, in_turns(directory, megabytes, pair, saves, pause), strict=True):
+                    runs[kind].append(result)
+    print(json.dumps({"order": order, "runs": runs}))
 
 
-def through_the_hook(directory: Path, megabytes: int, rounds: int, saves: int, pause: float) -> dict[str, Any]:
+def through_the_hook(
+    directory: Path, megabytes: int, rounds: int, saves: int, async_saves: int, pause: float
+) -> dict[str, Any]:
     command = [sys.executable, __file__, "--hook-child", str(megabytes), "--rounds", str(rounds)]
-    command += ["--saves", str(saves), "--dir", str(directory), "--settle", str(pause)]
+    command += ["--saves", str(saves), "--async-saves", str(async_saves), "--dir", str(directory)]
+    command += ["--settle", str(pause)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the hook's child process failed:\n{done.stderr}")
@@ -286,9 +401,12 @@ def through_the_hook(directory: Path, megabytes: int, rounds: int, saves: int, p
         return [run["seconds"][0] for run in runs[kind]]
 
     def per_gb(kind: str) -> float:
-        return sum(later(kind)) / sum(run["bytes"] * (len(run["seconds"]) - 1) / 1e9 for run in runs[kind])
+        return float(sum(later(kind)) / sum(run["bytes"] * (len(run["seconds"]) - 1) / 1e9 for run in runs[kind]))
 
-    print(f"\n{megabytes} MB through CheckpointingHook, {rounds} rounds of {saves} saves, a fresh process (seconds)")
+    print(
+        f"\n{megabytes} MB through CheckpointingHook, {rounds} rounds of {saves} saves ({async_saves} async), "
+        "momentum and plain SGD in turns, a fresh process (seconds)"
+    )
     for kind in ("momentum", "plain SGD", "async"):
         seconds = later(kind)
         direct = sum(d for run in runs[kind] for d in run["direct"])
@@ -348,7 +466,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[200, 1024], help="state sizes in MB")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of each kind per size")
-    parser.add_argument("--saves", type=int, default=4, help="saves per trainer through the hook (the first included)")
+    parser.add_argument(
+        "--saves", type=int, default=SAVES, help="saves per synchronous trainer through the hook (the first included)"
+    )
+    parser.add_argument("--async-saves", type=int, default=4, help="saves per asynchronous trainer (every third step)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: the temp dir)")
     parser.add_argument(
         "--settle", type=float, default=SETTLE_SECONDS, help="seconds each trainer waits, after os.sync(), to start"
@@ -357,17 +478,18 @@ def main() -> None:
     parser.add_argument("--hook-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hook_child is not None:
-        hook_child(args.dir, args.hook_child, args.rounds, args.saves, args.settle)
+        hook_child(args.dir, args.hook_child, args.rounds, args.saves, args.async_saves, args.settle)
         return
     if args.quick:
-        args.sizes, args.rounds, args.saves, args.settle = [16], 2, 3, 0.0
+        args.sizes, args.rounds, args.saves, args.async_saves, args.settle = [16], 2, 3, 3, 0.0
     torch.set_num_threads(1)
     base = args.dir or Path(tempfile.gettempdir())
     figures: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(dir=base) as tmp:
         for megabytes in args.sizes:
             figures[megabytes] = compare_sync(Path(tmp), megabytes, args.rounds)
-            figures[megabytes].update(through_the_hook(Path(tmp), megabytes, args.rounds, args.saves, args.settle))
+            hook = through_the_hook(Path(tmp), megabytes, args.rounds, args.saves, args.async_saves, args.settle)
+            figures[megabytes].update(hook)
     if args.quick:
         print("\nquick smoke run: 16 MB, where fixed costs (several fsyncs) dominate, and 2 rounds; no verdict")
         return
