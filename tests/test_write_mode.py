@@ -325,13 +325,31 @@ def test_only_files_written_over_a_kept_file_count_as_their_ways_rate(
 def test_the_other_way_is_tried_only_when_its_probe_promises_try_margin_more() -> None:
     # A try is not free: an O_DIRECT write drops the file's cached pages, and the page cache's next
     # write over it takes fresh ones (1 GB here: 3.0 s against 0.3 s).
+    gb = 10**9
+    chosen = []
+    for rate in (1.2, 0.9):  # through the page cache, GB/s: O_DIRECT probed 1.25x, 1.67x that
+        mode = writemode.WriteMode("CheckpointStore", "auto")
+        mode._probe = {"page_cache": 3.0, "o_direct": 1.5}
+        mode.choice = writemode.Choice(False, "measurement")
+        mode.after_write(False, gb, 1 / rate)
+        chosen.append((mode.for_file(gb).direct, mode.for_file(gb).chosen_by))
+    assert chosen == [(False, "saves"), (True, "trying the other way")]
+
+
+def test_one_slow_save_among_fast_ones_tries_nothing() -> None:
+    # A busy host makes one save slow now and then; a way that has become slow is slow in every file.
     mode = writemode.WriteMode("CheckpointStore", "auto")
-    mode._probe = {"page_cache": 3.0, "o_direct": 1.5}
+    mode._probe = {"page_cache": 4.3, "o_direct": 3.4}
     mode.choice = writemode.Choice(False, "measurement")
     gb = 10**9
-    mode.after_write(False, gb, 1 / 1.2)  # 1.2 GB/s through the page cache: O_DIRECT probed 1.25x that
-    assert (mode.for_file(gb).direct, mode.for_file(gb).chosen_by) == (False, "saves")
-    mode.after_write(False, gb, 1 / 0.4)  # 1.2 and 0.4 GB/s: 2 GB in 3.33 s, 0.6 GB/s; 1.5 is 2.5x that
+    chosen = []
+    for rate in (3.3, 3.3, 1.5, 1.5):  # together 2.1 GB/s, O_DIRECT's probe 1.6x that
+        mode.after_write(False, gb, 1 / rate)
+        chosen.append(mode.for_file(gb).chosen_by)
+    assert chosen == ["saves"] * 4
+    assert mode.for_file(gb).rates["saves"]["page_cache"] == 2.062  # type: ignore[index]
+    for _ in range(writemode.SAVES_KEPT - 2):  # the fast files leave the last SAVES_KEPT: every one is slow
+        mode.after_write(False, gb, 1 / 1.5)
     assert (mode.for_file(gb).direct, mode.for_file(gb).chosen_by) == (True, "trying the other way")
 
 
@@ -393,3 +411,23 @@ def test_a_file_changed_since_its_write_is_not_taken_for_cached(tmp_path: Path) 
     assert store._cached.holds(path.stat())
     path.write_bytes(bytes(8192))  # written by something else since: its pages are not ours to know
     assert not store._cached.holds(path.stat())
+
+
+def test_the_store_forgets_the_cached_files_that_pruning_deletes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Recycled files add up to one checkpoint's size; a pruned checkpoint's files beyond that are
+    # deleted, and an entry kept for one would outlive it (a slow leak over a long run). Here the
+    # first checkpoint has two files and the later ones one: from the third save on, each pruned
+    # checkpoint's file finds the recycled files full.
+    monkeypatch.setattr(store_module, "RECYCLED_BYTES", 1)
+    store = CheckpointStore(tmp_path, direct_io=False)
+    for step in range(1, 7):
+        names = ("model", "optimizer") if step == 1 else ("model",)
+        store.save(step, {name: {"w": torch.zeros(4096)} for name in names}, keep=False)
+        store.prune(keep_previous=0)
+        existing = {path.stat().st_ino for path in tmp_path.rglob("*.pt")}
+        assert set(store._cached._files) <= existing
+    assert len(store._cached) == 2  # the newest checkpoint's file and the recycled one
+    store.close()
+    assert len(store._cached) == 0

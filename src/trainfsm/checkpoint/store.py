@@ -173,6 +173,7 @@ class CheckpointStore:
         self._staging = None
         with self._saving:
             shutil.rmtree(self.root / RECYCLE, ignore_errors=True)
+            self._cached = _CachedFiles()
 
     # ------------------------------------------------------------------ saving
     def prepare(self) -> float:
@@ -577,6 +578,7 @@ class CheckpointStore:
             for file in sorted(aside.glob("*.pt"), key=lambda f: f.stat().st_size, reverse=True):
                 size = file.stat().st_size
                 if size < RECYCLED_BYTES or kept + size > room:
+                    self._cached.forget(file)  # deleted below: its inode may be a new file's next
                     continue
                 bin_.mkdir(exist_ok=True)
                 file.rename(bin_ / f"{uuid.uuid4().hex[:12]}.pt")
@@ -632,6 +634,13 @@ class _CachedFiles:
             self._files[stat.st_ino] = (stat.st_mtime_ns, stat.st_size)
         else:
             self._files.pop(stat.st_ino, None)
+
+    def forget(self, path: Path) -> None:
+        """``path`` is about to be deleted."""
+        self._files.pop(path.stat().st_ino, None)
+
+    def __len__(self) -> int:
+        return len(self._files)
 
     def holds(self, stat: os.stat_result) -> bool:
         return self._files.get(stat.st_ino) == (stat.st_mtime_ns, stat.st_size)

@@ -33,10 +33,11 @@ slower for files of a GB. So with ``direct_io="auto"`` (the default) the store m
   page-cache write over a file whose pages are not cached (the store knows which it left there:
   ``O_DIRECT`` drops a file's pages, so after a try of ``O_DIRECT`` the page cache's next write
   over that file takes fresh pages; counted, it lost the page cache its place, in 2 of 4 runs of
-  the benchmark). When a way's saves are below the other way's probe by ``TRY_MARGIN``, the next
-  file of that size tries the other way; once both ways have files of that size, the faster is
-  used. A save's rate is what counts: a probe's small files may flatter a way that a large
-  checkpoint does not;
+  the benchmark). When even the fastest of a way's last files is below the other way's probe by
+  ``TRY_MARGIN``, the next file of that size tries the other way (one slow save, which a busy host
+  gives now and then, tries nothing); once both ways have files of that size, the faster is used.
+  A save's rate is what counts: a probe's small files may flatter a way that a large checkpoint
+  does not;
 - **a re-check, now and then**: saves' rates count for ``RECHECK_SECONDS``, and the probe runs
   again on a thread of its own after a save once it is that old, holding the store's save lock (a
   save that comes meanwhile waits for it). A way in use is left only for one faster by more than
@@ -249,18 +250,26 @@ class WriteMode:
 
         Files of its size (the last ``SAVES_KEPT`` of each way, at most ``RECHECK_SECONDS`` old)
         written both ways: the faster of them. Written one way only: the other way is tried for one
-        file when its probe is faster than these files by ``TRY_MARGIN`` (a probe's small files may
-        flatter a way that large ones do not: the saves are what counts). None yet: the faster probe. A way in use
-        keeps its place unless the other is faster by ``SWITCH_MARGIN``, so that noise does not
-        flip it back and forth.
+        file when its probe is faster than the fastest of these files by ``TRY_MARGIN`` (a probe's
+        small files may flatter a way that large ones do not: the saves are what counts). None yet:
+        the faster probe. A way in use keeps its place unless the other is faster by
+        ``SWITCH_MARGIN``, so that noise does not flip it back and forth.
+
+        Why the fastest file, for a try: one slow save is what a busy host gives now and then, and
+        a try costs what it may not win back (``TRY_MARGIN``). A way that has become slow is slow
+        in every file. Here a 384 MB save through the page cache took 0.255 s once among saves of
+        0.12 s, which brought its two files and the two before them to 2.1 GB/s together, below
+        ``O_DIRECT``'s probe of 3.4 GB/s over 1.5: each of two trainers tried ``O_DIRECT`` once,
+        and one of them paid 1.1 s for it.
         """
         size = None if nbytes is None else size_class(nbytes)
         now = time.monotonic()
-        saved = {}
+        saved, best = {}, {}
         for direct, files in self._saved.get(size, {}).items() if size is not None else ():
             fresh = [(n, seconds) for n, seconds, at in files if now - at < RECHECK_SECONDS]
             if fresh:
                 saved[direct] = round(sum(n for n, _ in fresh) / sum(s for _, s in fresh) / 1e9, 3)
+                best[direct] = max(n / s for n, s in fresh) / 1e9
         rates = {"probe": self._probe, "saves": {_way(d): saved.get(d) for d in (False, True)}}
         probe_page, probe_direct = self._probe["page_cache"], self._probe["o_direct"]
         if probe_direct is None:
@@ -274,7 +283,7 @@ class WriteMode:
             return Choice(other if saved[other] > saved[current] * SWITCH_MARGIN else current, "saves", rates)
         theirs = probe_direct if other else probe_page
         if current in saved:
-            if theirs > saved[current] * TRY_MARGIN:
+            if theirs > best[current] * TRY_MARGIN:
                 return Choice(other, "trying the other way", rates)
             return Choice(current, "saves", rates)
         mine = probe_page if other else probe_direct
