@@ -24,6 +24,7 @@ ROOMS: dict[str, int] = {
     "options": 0,
     "utils": 0,
     "torch_workarounds": 0,
+    "plain_state": 0,
     "rng": 0,
     "step_info": 0,
     "hooks.base": 0,  # the contract the trainer calls: BaseHook, not a built-in hook
