@@ -117,12 +117,25 @@ def test_a_ddp_model_gets_the_state_dicts_torch_builds_without_the_module_prefix
         dist.destroy_process_group()
 
 
-def test_torch_builds_them_where_options_are_given_or_the_optimizer_has_no_state() -> None:
+def test_torch_builds_them_where_options_are_given() -> None:
     model, optimizer, inputs = with_batch_norm()
-    assert plain_state_dicts(model, optimizer, None) is None  # no state yet: torch_workarounds' case
     stepped(model, optimizer, inputs)
     assert plain_state_dicts(model, optimizer, StateDictOptions(full_state_dict=True)) is None
     assert plain_state_dicts(model, optimizer, None) is not None
+
+
+def test_an_optimizer_without_state_gets_its_param_groups_under_torchs_names_and_no_step() -> None:
+    model, optimizer, _ = with_batch_norm()  # momentum, but no step yet: no state
+    steps: list[int] = []
+    optimizer.register_step_pre_hook(lambda *_: steps.append(1))
+    ours = plain_state_dicts(model, optimizer, None)
+    assert ours is not None and steps == []
+    assert ours[1] == {
+        "state": {},
+        "param_groups": [
+            {**optimizer.param_groups[0], "params": ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]}
+        ],
+    }
 
 
 def test_a_save_of_a_model_nothing_shards_does_not_go_through_get_state_dict(monkeypatch: pytest.MonkeyPatch) -> None:

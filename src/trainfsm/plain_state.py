@@ -11,9 +11,10 @@ saves, so they are looked up once per model (``_get_fqns``, torch's own) and kep
 
 Used where torch would do nothing more than rename: no DTensor parameter or buffer (FSDP2,
 tensor parallel), no older FSDP wrapper, default options (no full or offloaded state dict, no
-frozen parameters left out, nothing flattened), a model state that is not empty (torch refuses
-that) and an optimizer that has state (without, torch steps it first: ``torch_workarounds``). DDP
-and ``torch.compile`` prefixes are dropped as torch drops them. ``tests/test_plain_state.py``
+frozen parameters left out, nothing flattened), and a model state that is not empty (torch
+refuses that). An optimizer without state gets its param groups and no step (where torch would
+step it first: ``torch_workarounds``). DDP and ``torch.compile`` prefixes are dropped as torch
+drops them. ``tests/test_plain_state.py``
 checks the result against ``get_state_dict``'s for each kind of model and optimizer it serves.
 """
 
@@ -32,7 +33,7 @@ _names: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDi
 def plain_state_dicts(model: nn.Module, optimizer: Any, options: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """``get_state_dict(model, optimizer, options=options)``'s result, or None where it must be
     torch's own (see the module doc)."""
-    if options is not None or not optimizer.state:
+    if options is not None:
         return None
     names = _names.get(model)
     if names is None:

@@ -109,10 +109,10 @@ def capture_model_and_optimizer(model: Any, optimizer: Any, options: Any) -> tup
 
     fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by whoever wrapped a model in it
     older_fsdp = fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
+    plain = None if older_fsdp else plain_state_dicts(model, optimizer, options)
+    if plain is not None:  # the same, without torch's per-call checks (``trainfsm.plain_state``)
+        return plain
     if optimizer.state or older_fsdp:
-        plain = None if older_fsdp else plain_state_dicts(model, optimizer, options)
-        if plain is not None:  # the same, without torch's per-call checks (``trainfsm.plain_state``)
-            return plain
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
         return model_state, optim_state
     return get_model_state_dict(model, options=options), _stateless_optimizer_state(model, optimizer, options)
