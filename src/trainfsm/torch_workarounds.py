@@ -63,6 +63,8 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
+from trainfsm.plain_state import plain_state_dicts
+
 COLLECTIVES_MODULE = "torch.distributed.nn.functional"
 DEVICE_MESH_MODULE = "torch.distributed.device_mesh"
 
@@ -104,8 +106,6 @@ def capture_model_and_optimizer(model: Any, optimizer: Any, options: Any) -> tup
     when the optimizer has no state (see the module doc). The older FSDP wrapper, whose optimizer
     state torch builds its own way, always goes through ``get_state_dict``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    from trainfsm.plain_state import plain_state_dicts
 
     fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by whoever wrapped a model in it
     older_fsdp = fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
