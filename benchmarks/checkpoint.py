@@ -312,7 +312,7 @@ def one_trainer(
         turns[0].wait(turns[1])
     settle(pause)
     trainer = BigTrainer(
-        width, 1, hooks, momentum, layers, max_steps=interval * saves, workspace=workspace, device="cpu"
+        width, 8, hooks, momentum, layers, max_steps=interval * saves, workspace=workspace, device="cpu"
     )
     trainer.train()
     del trainer
