@@ -14,8 +14,8 @@ tensor parallel), no older FSDP wrapper, default options (no full or offloaded s
 frozen parameters left out, nothing flattened), and a model state that is not empty (torch
 refuses that). An optimizer without state gets its param groups and no step (where torch would
 step it first: ``torch_workarounds``). DDP and ``torch.compile`` prefixes are dropped as torch
-drops them. ``tests/test_plain_state.py``
-checks the result against ``get_state_dict``'s for each kind of model and optimizer it serves.
+drops them. ``tests/test_plain_state.py`` checks the result against ``get_state_dict``'s for each
+kind of model and optimizer it serves.
 """
 
 from __future__ import annotations
