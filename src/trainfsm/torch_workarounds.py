@@ -107,11 +107,13 @@ def capture_model_and_optimizer(model: Any, optimizer: Any, options: Any) -> tup
     state torch builds its own way, always goes through ``get_state_dict``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    # First: for a model nothing shards (checked once per model, FSDP of either kind included) the
+    # same state dicts without torch's per-call checks, nor a walk of the model here at every save.
+    plain = plain_state_dicts(model, optimizer, options)
+    if plain is not None:
+        return plain
     fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by whoever wrapped a model in it
     older_fsdp = fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules())
-    plain = None if older_fsdp else plain_state_dicts(model, optimizer, options)
-    if plain is not None:  # the same, without torch's per-call checks (``trainfsm.plain_state``)
-        return plain
     if optimizer.state or older_fsdp:
         model_state, optim_state = get_state_dict(model, optimizer, options=options)
         return model_state, optim_state
