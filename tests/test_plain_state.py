@@ -152,3 +152,73 @@ def test_a_save_of_a_model_nothing_shards_does_not_go_through_get_state_dict(mon
 
     monkeypatch.setattr(dsd, "get_state_dict", refuse)
     assert same(torch_workarounds.capture_model_and_optimizer(model, optimizer, None), expected)
+
+
+def test_an_optimizer_with_a_state_dict_hook_gets_what_its_hook_returns() -> None:
+    # The groups are built directly only for torch's own state_dict() with no hook on it.
+    model, optimizer, inputs = with_batch_norm()
+    stepped(model, optimizer, inputs)
+
+    def tagged(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        state["param_groups"][0]["tag"] = "from the hook"
+        return state
+
+    optimizer.register_state_dict_post_hook(tagged)
+    ours = plain_state_dicts(model, optimizer, None)
+    assert ours is not None and ours[1]["param_groups"][0]["tag"] == "from the hook"
+    assert same(ours, get_state_dict(model, optimizer))
+
+
+def test_the_names_are_looked_up_once_while_model_and_optimizer_keep_their_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A save comes after a step that left the CPU's caches cold: walking the modules again costs.
+    model, optimizer, inputs = with_batch_norm()
+    stepped(model, optimizer, inputs)
+    plain_state_dicts(model, optimizer, None)
+    walks: list[int] = []
+    named_parameters = nn.Module.named_parameters
+    monkeypatch.setattr(nn.Module, "named_parameters", lambda *a, **k: walks.append(1) or named_parameters(*a, **k))
+    again = plain_state_dicts(model, optimizer, None)
+    assert walks == [] and same(again, get_state_dict(model, optimizer))
+
+
+def test_a_param_group_added_after_a_save_is_named_at_the_next() -> None:
+    model, optimizer, inputs = with_batch_norm()
+    stepped(model, optimizer, inputs)
+    plain_state_dicts(model, optimizer, None)
+    model.append(nn.Linear(2, 3))
+    optimizer.add_param_group({"params": model[4].parameters(), "lr": 0.5})
+    stepped(model, optimizer, inputs)
+    ours = plain_state_dicts(model, optimizer, None)
+    assert ours is not None and ours[1]["param_groups"][1]["params"] == ["4.weight", "4.bias"]
+    assert same(ours, get_state_dict(model, optimizer))
+
+
+def test_a_parameter_moved_to_another_group_is_named_where_it_is_now() -> None:
+    # The same parameters in the same order, grouped differently: the groups are read anew.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    first, second = model.parameters(), []
+    optimizer = torch.optim.SGD([{"params": list(first)}, {"params": second, "lr": 0.5}], lr=0.1, momentum=0.9)
+    stepped(model, optimizer, torch.randn(3, 4))
+    plain_state_dicts(model, optimizer, None)
+    optimizer.param_groups[1]["params"].insert(0, optimizer.param_groups[0]["params"].pop())
+    ours = plain_state_dicts(model, optimizer, None)
+    assert ours is not None and [g["params"] for g in ours[1]["param_groups"]] == [
+        ["0.weight", "0.bias", "1.weight"],
+        ["1.bias"],
+    ]
+    assert same(ours, get_state_dict(model, optimizer))
+
+
+def test_a_module_renamed_after_a_save_saves_under_its_new_name() -> None:
+    # The same parameters under other names: the model state's keys changed, so the names are looked up again.
+    model = nn.Sequential()
+    model.add_module("old", nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stepped(model, optimizer, torch.randn(3, 4))
+    plain_state_dicts(model, optimizer, None)
+    model._modules["new"] = model._modules.pop("old")
+    ours = plain_state_dicts(model, optimizer, None)
+    assert ours is not None and list(ours[1]["state"]) == ["new.weight", "new.bias"]
+    assert same(ours, get_state_dict(model, optimizer))

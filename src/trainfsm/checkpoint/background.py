@@ -8,6 +8,8 @@ The CPU tensors of one save are kept for the next (``BackgroundSaves.spare``), w
 those of the same shape: memory touched once, not page-faulted anew at every save (one CPU copy of
 the state stays allocated between saves). RESTORE makes them for the parameters and whatever
 optimizer state exists then (``prestage``), so that the first save finds them too.
+The loop waits for ``stage`` and ``submit``, after a step that left the CPU's caches cold: they
+touch as few objects as they can (see ``stage``).
 ``BackgroundSaves`` runs the writes on one thread, at most one in flight; ``settle`` reports a
 finished one and raises for a failed one. A sharded save's collectives run over a gloo group of its
 own (``process_group``), so that they never pair with the training's on the main thread.
@@ -17,15 +19,18 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
+from torch import nn
 
 from trainfsm import activity
 from trainfsm.checkpoint.store import CheckpointError
-from trainfsm.utils import local_part, map_nested_tensor
+from trainfsm.utils import _PLAIN, local_part, map_nested_tensor
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -162,8 +167,9 @@ def _copy_then(
 ) -> Any:
     """On the writer thread: the copies the loop waits for before its next optimizer step, then ``write()``."""
     try:
-        for source, target in copies:
-            target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
+        with torch.no_grad():  # the sources are not detached (``stage``): record no graph
+            for source, target in copies:
+                target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
     finally:
         staged_event.set()
     return write()
@@ -180,32 +186,106 @@ def stage(
     thread while the next step's data loading, forward and backward run; ``on_before_optimizer_step``
     waits for those copies. Those go into ``spare`` tensors of the same shape, dtype and strides
     where there are any, so that a save of the same state allocates nothing.
+
+    The loop waits for all of this, after a step that left the CPU's caches cold: every object
+    touched costs. So a save of the same structure as the last takes the last one's targets in
+    their order, checking only each one's layout, and plain tensors skip the DTensor checks.
     """
-    model = trainer.model
-    parameters = {local_part(p).data_ptr() for p in model.parameters()} if model is not None else set()
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    pool: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-    for tensor in reversed(spare or ()):  # popped in their order
-        pool.setdefault(_layout(tensor), []).append(tensor)
+    parameters = _parameter_pointers(trainer.model)
+    staging = _Staging(spare or [])
+    later, now = staging.later, staging.now
 
-    def later(tensor: torch.Tensor) -> torch.Tensor:
-        local = local_part(tensor).detach()
-        same = pool.get(_layout(local))
-        target = same.pop() if same else torch.empty_like(local, device="cpu")
+    def in_model(tensor: torch.Tensor) -> torch.Tensor:
+        if type(tensor) is torch.Tensor:
+            return later(tensor) if tensor.data_ptr() in parameters else now(tensor)
+        return later(tensor) if local_part(tensor).data_ptr() in parameters else now(tensor)
+
+    staged = {part: _mapped(in_model if part == "model" else later, value) for part, value in parts.items()}
+    return staged, staging.copies
+
+
+class _Staging:
+    """The copies one ``stage`` makes, and the targets it takes: ``spare``'s in order while each
+    has the layout wanted, then from a pool of the rest by layout, then new ones."""
+
+    def __init__(self, spare: list[torch.Tensor]) -> None:
+        self.spare = spare
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pool: dict[tuple[Any, ...], list[torch.Tensor]] | None = None  # once the order differs
+
+    def later(self, tensor: torch.Tensor) -> torch.Tensor:
+        plain = type(tensor) is torch.Tensor
+        local = tensor if plain else local_part(tensor).detach()  # copied under no_grad: no detach
+        copies, spare = self.copies, self.spare
+        index = len(copies)
+        target: torch.Tensor | None = None
+        if self.pool is None and index < len(spare):
+            candidate = spare[index]
+            if (
+                candidate.shape == local.shape
+                and candidate.dtype == local.dtype
+                and candidate.stride() == local.stride()
+            ):
+                target = candidate
+            else:  # popped in their order
+                self.pool = {}
+                for unused in reversed(spare[index:]):
+                    self.pool.setdefault(_layout(unused), []).append(unused)
+        if target is None:
+            same = self.pool.get(_layout(local)) if self.pool is not None else None
+            target = same.pop() if same else torch.empty_like(local, device="cpu")
         copies.append((local, target))
-        return _shaped_like(tensor, target)
+        return target if plain else _shaped_like(tensor, target)
 
-    def now(tensor: torch.Tensor) -> torch.Tensor:
+    def now(self, tensor: torch.Tensor) -> torch.Tensor:
+        if type(tensor) is torch.Tensor:
+            return tensor.detach().to("cpu", copy=True)
         return _shaped_like(tensor, local_part(tensor).detach().to("cpu", copy=True))
 
-    staged = {
-        part: map_nested_tensor(
-            (lambda t: later(t) if local_part(t).data_ptr() in parameters else now(t)) if part == "model" else later,
-            value,
-        )
-        for part, value in parts.items()
-    }
-    return staged, copies
+
+def _mapped(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+    """``map_nested_tensor(f, obj)``, with plain dicts, lists and tuples built directly (the
+    state's own containers, at every save). An ``OrderedDict`` keeps its attributes, as
+    ``map_nested_tensor``'s copy keeps them (``model.state_dict()``'s ``_metadata``)."""
+    kind = type(obj)
+    if kind is dict:
+        return {key: _mapped(f, value) for key, value in obj.items()}
+    if kind is OrderedDict:
+        out = OrderedDict((key, _mapped(f, value)) for key, value in obj.items())
+        if obj.__dict__:
+            out.__dict__.update(obj.__dict__)
+        return out
+    if kind is list:
+        return [_mapped(f, value) for value in obj]
+    if kind is tuple:  # the types' check in C: Python's random state is 625 ints
+        return obj if set(map(type, obj)) <= _PLAIN else tuple(_mapped(f, value) for value in obj)
+    if kind in _PLAIN:
+        return obj
+    return map_nested_tensor(f, obj)
+
+
+#: model -> its parameters, where each is a plain ``nn.Parameter``: walking the modules for them
+#: again at every save costs, in a loop whose caches the step before left cold.
+_parameters: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _parameter_pointers(model: Any) -> set[int]:
+    """Where ``model``'s parameters' data is now: a model state tensor there is a parameter.
+
+    The parameters of a model whose parameters are all plain are kept from the first save (held,
+    so that their memory stays theirs), and their pointers taken anew at each save: a parameter's
+    storage swapped (``p.data = ...``) is seen. One added to the model later (it is not in this
+    list) is copied before the loop goes on, as a buffer is: a slower save, never a wrong one.
+    Other models (DTensor parameters, whose local storage FSDP swaps) are walked at every save."""
+    if model is None:
+        return set()
+    kept = _parameters.get(model)
+    if kept is None:
+        found = list(model.parameters())
+        if not all(type(p) is nn.Parameter for p in found):
+            return {local_part(p).data_ptr() for p in found}
+        kept = _parameters[model] = found
+    return {p.data_ptr() for p in kept}
 
 
 def _layout(tensor: torch.Tensor) -> tuple[Any, ...]:
