@@ -94,8 +94,9 @@ def test_pythons_random_state_is_staged_with_the_same_tuple_of_625_ints() -> Non
 def test_the_writer_threads_copy_of_a_tensor_that_requires_grad_records_no_graph() -> None:
     source = torch.ones(3, requires_grad=True)
     staged, copies = stage({"hooks": {"ema": source}}, SimpleNamespace(model=None))  # type: ignore[arg-type]
-    done = threading.Event()
+    done = threading.Lock()
+    done.acquire()  # released once the copies are made
     _copy_then(copies, done, lambda: None)
     written = staged["hooks"]["ema"]
-    assert done.is_set() and torch.equal(written, source.detach()) and not written.requires_grad
+    assert not done.locked() and torch.equal(written, source.detach()) and not written.requires_grad
     assert written.grad_fn is None
