@@ -33,9 +33,10 @@ slower for files of a GB. So with ``direct_io="auto"`` (the default) the store m
   page-cache write over a file whose pages are not cached (the store knows which it left there:
   ``O_DIRECT`` drops a file's pages, so after a try of ``O_DIRECT`` the page cache's next write
   over that file takes fresh pages; counted, it lost the page cache its place, in 2 of 4 runs of
-  the benchmark). When even the fastest of a way's last files is below the other way's probe by
-  ``TRY_MARGIN``, the next file of that size tries the other way (one slow save, which a busy host
-  gives now and then, tries nothing); once both ways have files of that size, the faster is used.
+  the benchmark). When even the fastest of a way's last files (``TRY_AFTER`` of them at least) is
+  below the other way's probe by ``TRY_MARGIN``, the next file of that size tries the other way
+  (one slow save, which a busy host gives now and then, tries nothing, nor does a slow first
+  one); once both ways have files of that size, the faster is used.
   A save's rate is what counts: a probe's small files may flatter a way that a large checkpoint
   does not;
 - **a re-check, now and then**: saves' rates count for ``RECHECK_SECONDS``, and the probe runs
@@ -83,6 +84,11 @@ SWITCH_MARGIN: Final = 1.10
 # save's rate counts serializing and checksums that the probe's rate does not (200 MB saves through
 # the page cache at 1.8-2.5 GB/s, where its probe gave 2.4-3.4 and ``O_DIRECT``'s 1.6-2.2).
 TRY_MARGIN: Final = 1.5
+# Files of a way at a size before the other way may be tried: one slow file, the first included,
+# tries nothing. The benchmark's store (200 MB, five saves) had its first save through the page
+# cache take 0.2 s where the others took 0.07 s; that one file tried ``O_DIRECT``, which then
+# kept the place at 0.117 s a save, and the five saves came to 1.14x the faster floor.
+TRY_AFTER: Final = 2
 SAVES_KEPT: Final = 4  # per way: a rate is their bytes over their seconds
 RATED_BYTES: Final = 2 * PROBE_BYTES  # a save this large or larger counts as a measurement of its way
 PROBE_PREFIX: Final = ".tmp-probe-"  # store.TMP_PREFIX: leftovers of a crash are removed in RESTORE
@@ -250,7 +256,8 @@ class WriteMode:
 
         Files of its size (the last ``SAVES_KEPT`` of each way, at most ``RECHECK_SECONDS`` old)
         written both ways: the faster of them. Written one way only: the other way is tried for one
-        file when its probe is faster than the fastest of these files by ``TRY_MARGIN`` (a probe's
+        file when there are ``TRY_AFTER`` of these files or more and its probe is faster than the
+        fastest of them by ``TRY_MARGIN`` (a probe's
         small files may flatter a way that large ones do not: the saves are what counts). None yet:
         the faster probe. A way in use keeps its place unless the other is faster by
         ``SWITCH_MARGIN``, so that noise does not flip it back and forth.
@@ -264,12 +271,13 @@ class WriteMode:
         """
         size = None if nbytes is None else size_class(nbytes)
         now = time.monotonic()
-        saved, best = {}, {}
+        saved, best, counted = {}, {}, {}
         for direct, files in self._saved.get(size, {}).items() if size is not None else ():
             fresh = [(n, seconds) for n, seconds, at in files if now - at < RECHECK_SECONDS]
             if fresh:
                 saved[direct] = round(sum(n for n, _ in fresh) / sum(s for _, s in fresh) / 1e9, 3)
                 best[direct] = max(n / s for n, s in fresh) / 1e9
+                counted[direct] = len(fresh)
         rates = {"probe": self._probe, "saves": {_way(d): saved.get(d) for d in (False, True)}}
         probe_page, probe_direct = self._probe["page_cache"], self._probe["o_direct"]
         if probe_direct is None:
@@ -283,7 +291,7 @@ class WriteMode:
             return Choice(other if saved[other] > saved[current] * SWITCH_MARGIN else current, "saves", rates)
         theirs = probe_direct if other else probe_page
         if current in saved:
-            if theirs > best[current] * TRY_MARGIN:
+            if counted[current] >= TRY_AFTER and theirs > best[current] * TRY_MARGIN:
                 return Choice(other, "trying the other way", rates)
             return Choice(current, "saves", rates)
         mine = probe_page if other else probe_direct
