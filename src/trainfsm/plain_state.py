@@ -49,8 +49,7 @@ class _Named(NamedTuple):
     keys: Any  # the model state's keys then
     ids: tuple[int, ...]  # the optimizer's parameters then, in its groups' order
     params: list[Any]  # held, so that no other tensor takes one of those ids
-    name_of: dict[int, str]  # the index of each parameter the model has -> torch's name for it
-    by_id: dict[int, str]  # the same, by the parameter's id
+    by_id: dict[int, str]  # the id of each parameter the model has -> torch's name for it
 
 
 def plain_state_dicts(model: nn.Module, optimizer: Any, options: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -79,8 +78,8 @@ def plain_state_dicts(model: nn.Module, optimizer: Any, options: Any) -> tuple[d
             }
             for group in optimizer.param_groups
         ]
-    else:
-        name_of = named.name_of
+    else:  # optimizer.state_dict() numbers the parameters in their groups' order: ``ids``
+        name_of = {index: named.by_id[id_] for index, id_ in enumerate(named.ids) if id_ in named.by_id}
         saved = optimizer.state_dict()
         state = {name_of[index]: value for index, value in saved["state"].items()}
         groups = [{**group, "params": [name_of[index] for index in group["params"]]} for group in saved["param_groups"]]
@@ -97,8 +96,7 @@ def _plain_optimizer(optimizer: Any) -> bool:
 
 
 def _optimizer_names(model: nn.Module, optimizer: Any, names: dict[str, str], keys: Any) -> _Named:
-    """The name of each of ``optimizer``'s parameters (by its index in the groups, as
-    ``optimizer.state_dict()`` numbers them, and by its id), kept from the last save while the same model has
+    """The name of each of ``optimizer``'s parameters (by its id), kept from the last save while the same model has
     the same state keys and the optimizer the same parameters: a save comes after a step that
     left the CPU's caches cold, and walking the model's modules for the names again costs."""
     ids = tuple(id(param) for group in optimizer.param_groups for param in group["params"])
@@ -106,14 +104,9 @@ def _optimizer_names(model: nn.Module, optimizer: Any, names: dict[str, str], ke
     if last is not None and last.names is names and last.ids == ids and last.keys == keys:
         return last
     params = [param for group in optimizer.param_groups for param in group["params"]]
-    position = {id(param): index for index, param in enumerate(params)}
-    name_of: dict[int, str] = {}
-    by_id: dict[int, str] = {}
-    for key, param in model.named_parameters():
-        index = position.get(id(param))
-        if index is not None:
-            name_of[index] = by_id[id(param)] = _name(model, key, names)
-    named = _optimizer[optimizer] = _Named(names, frozenset(keys), ids, params, name_of, by_id)
+    mine = set(ids)
+    by_id = {id(param): _name(model, key, names) for key, param in model.named_parameters() if id(param) in mine}
+    named = _optimizer[optimizer] = _Named(names, frozenset(keys), ids, params, by_id)
     return named
 
 

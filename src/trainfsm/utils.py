@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -20,7 +21,26 @@ def map_nested_tensor(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
 
     Containers keep their type (a ``defaultdict`` stays one, a named tuple keeps its fields);
     anything that is neither a tensor nor a container is returned as is.
+
+    A state dict's own containers (dict, ``OrderedDict``, list, tuple) are built directly: an
+    asynchronous save maps its state with this while the loop waits, after a step that left the
+    CPU's caches cold. An ``OrderedDict`` keeps its attributes, as a copy would
+    (``model.state_dict()``'s ``_metadata``); the types of a tuple are checked in C (Python's
+    random state is 625 ints).
     """
+    kind = type(obj)
+    if kind is dict:
+        return {key: map_nested_tensor(f, value) for key, value in obj.items()}
+    if kind is OrderedDict:
+        out = OrderedDict((key, map_nested_tensor(f, value)) for key, value in obj.items())
+        out.__dict__.update(obj.__dict__)
+        return out
+    if kind is list:
+        return [map_nested_tensor(f, value) for value in obj]
+    if kind is tuple:  # nothing to map, and immutable: returned as it is
+        return obj if set(map(type, obj)) <= _PLAIN else tuple(map_nested_tensor(f, value) for value in obj)
+    if kind in _PLAIN:
+        return obj
     if isinstance(obj, torch.Tensor):
         return f(obj)
     if isinstance(obj, Mapping):
@@ -32,8 +52,6 @@ def map_nested_tensor(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
             return out
         except (TypeError, AttributeError):  # a read-only mapping: a plain dict instead
             return mapped
-    if type(obj) is tuple and all(type(value) in _PLAIN for value in obj):
-        return obj  # nothing to map, and immutable: Python's RNG state (625 ints) in every checkpoint
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(map_nested_tensor(f, value) for value in obj))
     if isinstance(obj, (list, tuple)):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import _thread
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -30,7 +29,7 @@ from torch import nn
 
 from trainfsm import activity
 from trainfsm.checkpoint.store import CheckpointError
-from trainfsm.utils import _PLAIN, local_part, map_nested_tensor
+from trainfsm.utils import local_part, map_nested_tensor
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -201,7 +200,7 @@ def stage(
             return later(tensor) if tensor.data_ptr() in parameters else now(tensor)
         return later(tensor) if local_part(tensor).data_ptr() in parameters else now(tensor)
 
-    staged = {part: _mapped(in_model if part == "model" else later, value) for part, value in parts.items()}
+    staged = {part: map_nested_tensor(in_model if part == "model" else later, value) for part, value in parts.items()}
     return staged, staging.copies
 
 
@@ -242,27 +241,6 @@ class _Staging:
         if type(tensor) is torch.Tensor:
             return tensor.detach().to("cpu", copy=True)
         return _shaped_like(tensor, local_part(tensor).detach().to("cpu", copy=True))
-
-
-def _mapped(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """``map_nested_tensor(f, obj)``, with plain dicts, lists and tuples built directly (the
-    state's own containers, at every save). An ``OrderedDict`` keeps its attributes, as
-    ``map_nested_tensor``'s copy keeps them (``model.state_dict()``'s ``_metadata``)."""
-    kind = type(obj)
-    if kind is dict:
-        return {key: _mapped(f, value) for key, value in obj.items()}
-    if kind is OrderedDict:
-        out = OrderedDict((key, _mapped(f, value)) for key, value in obj.items())
-        if obj.__dict__:
-            out.__dict__.update(obj.__dict__)
-        return out
-    if kind is list:
-        return [_mapped(f, value) for value in obj]
-    if kind is tuple:  # the types' check in C: Python's random state is 625 ints
-        return obj if set(map(type, obj)) <= _PLAIN else tuple(_mapped(f, value) for value in obj)
-    if kind in _PLAIN:
-        return obj
-    return map_nested_tensor(f, obj)
 
 
 #: model -> its parameters, where each is a plain ``nn.Parameter``: walking the modules for them
