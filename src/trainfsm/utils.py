@@ -32,9 +32,9 @@ def map_nested_tensor(f: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     if kind is dict:
         return {key: map_nested_tensor(f, value) for key, value in obj.items()}
     if kind is OrderedDict:
-        out = OrderedDict((key, map_nested_tensor(f, value)) for key, value in obj.items())
-        out.__dict__.update(obj.__dict__)
-        return out
+        ordered = OrderedDict((key, map_nested_tensor(f, value)) for key, value in obj.items())
+        ordered.__dict__.update(obj.__dict__)
+        return ordered
     if kind is list:
         return [map_nested_tensor(f, value) for value in obj]
     if kind is tuple:  # nothing to map, and immutable: returned as it is
