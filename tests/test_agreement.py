@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -62,5 +63,35 @@ def test_host_flags_use_the_default_group_with_gloo_and_one_gloo_group_under_ncc
         group = agreement.host_group()
         assert group is not None and dist.get_backend(group) == "gloo"
         assert agreement.host_group() is group  # created once, reused by the next trainer
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_step_end_signal_agreement_runs_on_the_host_group_with_a_cpu_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under NCCL the default group's flag would live on the GPU, and reading it after the optimizer
+    step would be a second device sync per step: the agreement uses the gloo host group instead."""
+    import signal
+
+    from trainfsm import collectives
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")  # no CPU backend
+        monkeypatch.setattr(collectives, "_HOST_GROUPS", {})
+        real, calls = dist.all_reduce, []
+
+        def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+            calls.append((group, tensor.device.type))
+            return real(tensor, op=op, group=group, async_op=async_op)
+
+        monkeypatch.setattr(dist, "all_reduce", all_reduce)
+        agreement = collectives.SignalAgreement()
+        agreement.start(int(signal.SIGUSR1))
+        assert agreement.result() == signal.SIGUSR1
+        agreement.start(0)
+        assert agreement.result() == 0
+        host = collectives.host_group()
+        assert host is not None and dist.get_backend(host) == "gloo"
+        assert calls == [(host, "cpu"), (host, "cpu")]
     finally:
         dist.destroy_process_group()

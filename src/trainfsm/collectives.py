@@ -11,7 +11,8 @@ Two facts local to one rank decide a transition that every rank must take togeth
 - an exit signal is pending, maybe on one rank only: every rank checkpoints and exits at the same
   step (``trainfsm.preemption.policy``). By default one all-reduce per step carries it
   (``SignalAgreement``: started when a step begins, waited for when it ends, so it overlaps the
-  step's work), and only when exit signals are installed.
+  step's work), and only when exit signals are installed. It is a host flag like the next one's,
+  so it runs in the host group too: no device sync.
 - ``forward`` returned ``loss=None``: the micro-batch is skipped. Had one rank skipped while the
   others ran backward, DDP's gradient all-reduces would pair up the wrong micro-batches and the
   ranks' data positions would drift apart. With ``loss_none_agreement=True``
@@ -19,10 +20,11 @@ Two facts local to one rank decide a transition that every rank must take togeth
   ``forward`` and before backward, carries ``[pending signal, loss=None on rank 0, ..., on rank
   W-1]``, and every rank skips when any returned None; the signal rides on it.
 
-Host flags stay on the host: that all-reduce runs in the default group when it has a CPU backend
+Host flags stay on the host: these all-reduces run in the default group when it has a CPU backend
 (gloo, or ``"cpu:gloo,cuda:nccl"``), else in a gloo group created once (``host_group``). Through
 NCCL the flag would be copied to the GPU and read back with a ``.item()`` that waits for every
-kernel queued so far: a device sync between each forward and its backward. Through gloo it costs
+kernel queued so far: a device sync between each forward and its backward (and, for the signal,
+after each optimizer step). Through gloo the loss=None agreement costs
 one small-message round trip per micro-batch (1.3-1.6x on the small case of
 ``benchmarks/ddp_overhead.py``), which is why it is opt-in. Collectives inside the wrapped model's
 forward (DDP's bucket rebuild and buffer broadcast, FSDP's all-gathers) run before the agreement,
@@ -167,19 +169,31 @@ def barrier() -> None:
 
 
 class SignalAgreement:
-    """One all-reduce (MAX) per step of the pending signal number, started early, waited late."""
+    """One all-reduce (MAX) per step of the pending signal number, started early, waited late.
+
+    A host flag on the host group (``host_group``), as ``LossNoneAgreement``'s: through NCCL the
+    flag would be a GPU tensor whose ``.item()`` after the optimizer step waits for every kernel
+    queued so far, a second device sync per step beside the finite check's. Through gloo it runs
+    on gloo's own thread while the step computes; with DDP or FSDP every rank has started it by
+    the time the finite check's sync returns (that waited for the gradient all-reduce, which
+    every rank reaches after ``start``), so ``result`` is a short host wait, not a device sync.
+    Waited for at the step's end rather than read one step later: the agreed value is the same
+    on every rank at the same step either way, and this way the exit's checkpoint comes a step
+    sooner.
+    """
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        self._dist = dist
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self._all_reduce = dist.all_reduce
+        self._max = dist.ReduceOp.MAX
+        self._group = host_group()  # collective when it creates the group: every rank decides in BUILD
+        self._flag = torch.zeros(1, dtype=torch.int32)
         self._work: Any = None
 
     def start(self, pending: int) -> None:
         self._flag.fill_(pending)
-        self._work = self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MAX, async_op=True)
+        self._work = self._all_reduce(self._flag, op=self._max, group=self._group, async_op=True)
 
     def result(self) -> int:
         """The largest signal number pending on any rank, 0 for none (waits for the collective)."""
@@ -187,7 +201,7 @@ class SignalAgreement:
             return 0
         self._work.wait()
         self._work = None
-        return int(self._flag.item())  # host sync, once per step, after the optimizer step
+        return int(self._flag.item())  # a CPU tensor: no device sync
 
 
 def host_group() -> Any:

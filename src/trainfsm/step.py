@@ -3,7 +3,9 @@
 The trainer's ACCUMULATE state calls ``Stepper.micro`` once per micro-batch and, on a step's last
 micro-batch, ``check_and_clip`` and ``apply``. Everything that does not change between steps (the
 autocast context, the parameter lists, which optional pieces exist) is resolved in ``__init__``, so
-a step does no lookups and no host syncs beyond the one finite check.
+a step does no lookups and no host syncs beyond the one finite check. (With several ranks and exit
+signals, the step-end signal agreement is a host collective on gloo (``trainfsm.collectives``): a
+wait for the other ranks' hosts, never for the device.)
 """
 
 from __future__ import annotations
