@@ -26,9 +26,9 @@ RESTORE takes ``preempt`` straight to EXIT.
 
 Across ranks a signal that reached only one rank still stops every rank at the same step: one small
 all-reduce per step carries it, started when the step begins and waited for when it ends
-(``trainfsm.collectives.SignalAgreement``, a CPU flag in the gloo host group: no device sync); at the end of BUILD and RESTORE one blocking one, or,
-with ``loss_none_agreement=True``, it rides on the all-reduce that agrees on each micro-batch
-before its backward.
+(``trainfsm.collectives.SignalAgreement``, a CPU flag in the gloo host group: no device sync);
+at the end of BUILD and RESTORE one blocking one, or, with ``loss_none_agreement=True``, it
+rides on the all-reduce that agrees on each micro-batch before its backward.
 
 How the signals are held from the first line of ``train()`` until the policy is known, and
 passed on when it does not name them: ``trainfsm.preemption.signals``.
