@@ -7,6 +7,7 @@ named). ``tests/faults/early_signal.py`` is the training script; it is made slow
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 
 from tests.distributed.launch import audit_problems
 from tests.faults.early_signal import HERE as SCRIPT
+from tests.faults.signal_burst import HERE as BURST
 from tests.helpers import ignored_here, trail_events
 
 pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="real signals to child processes"), pytest.mark.faults]
@@ -189,3 +191,21 @@ def test_a_named_signal_ignored_before_train_is_still_handled(tmp_path: Path) ->
     trail = events(workspace)
     assert trail[0]["signals"]["ignored"] == ignored_here(signal.SIGTERM)
     assert outline(trail)[-2:] == ["preempt:BUILD>EXIT", "exit:preempted:143"]
+
+
+@pytest.mark.parametrize("at", ["handler", "sleep"])
+def test_a_signal_at_every_instant_of_the_handler_or_of_exit_wait_ends_the_process_at_once(at: str) -> None:
+    """A second signal inside the first one's handler, or a signal while the main thread is inside
+    ``exit_wait``'s sleep: the handler takes no lock either could hold, so nothing deadlocks, each
+    signal is recorded, and the sleep (30 s) is cut short. ``tests/faults/signal_burst.py``."""
+    command = [sys.executable, str(BURST), "--at", at, "--sleep", "30"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired as exc:
+        hint = "a lock in the handler, or a sleep that the signals do not wake"
+        pytest.fail(f"no exit within 20 s with a signal at every instant of the {at} ({hint}): {exc}")
+    assert done.returncode == 128 + signal.SIGUSR1, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["sent"] > 5  # the burst reached its place
+    assert seen["received"] == 1 + seen["sent"]  # the first signal and every one of the burst, none lost
+    assert seen["slept"] < 5

@@ -4,7 +4,8 @@ pass on what it does not name, restore; and, under torchrun, the parent-death si
 ``trainfsm.preemption.policy.Preemption`` owns a ``SignalWatcher`` and decides what an arrival means; this
 module only records. A scheduler's signal can arrive at any instant (inside a kernel launch, a
 checkpoint write, a collective), so the handler does no I/O, takes no lock and starts no
-collective: it records which signal came, when, at which step and in which state.
+collective: it records which signal came, when, at which step and in which state (and, during
+``exit_wait``, writes one byte to a pipe that wakes the wait).
 
 From the first line of ``train()`` to its last no exit signal is lost. The policy (which signals,
 which code) may come from ``CheckpointingHook(exit_signals=...)``, known only once
@@ -21,7 +22,9 @@ handler, as it would have without trainfsm, only later. SIGINT is held only when
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -159,7 +162,9 @@ class SignalWatcher:
     #: The signals that end training, once the exit policy is known; None while signals are held.
     acting: frozenset[int] | None = None
     _previous: dict[int, Any] = field(default_factory=dict)
-    _wake: threading.Event = field(default_factory=threading.Event)
+    #: The write end of the pipe ``sleep`` waits on while it waits (-1 otherwise): the handler's
+    #: way to wake it without a lock.
+    _wake: int = -1
 
     def install(self, signals: Iterable[signal.Signals]) -> list[signal.Signals]:
         """Install handlers for ``signals`` not yet handled; returns those newly installed.
@@ -205,7 +210,11 @@ class SignalWatcher:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        # Only records: no I/O, no logging, no collective. The machine acts at the next safe point.
+        # Only records: no I/O, no logging, no collective, no lock. The machine acts at the next
+        # safe point. Python runs this in the main thread between two of its instructions, so any
+        # lock it took (a threading.Event's) could be held by the code it interrupted (the main
+        # thread in ``sleep``, or this handler itself when a second signal arrives inside it): a
+        # deadlock until SIGKILL. Plain attribute writes, a list append and a pipe write take none.
         if self.pending and not self.pending & DEADLINE and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now (checkpoints are atomic regardless)
         where = self.where
@@ -213,7 +222,10 @@ class SignalWatcher:
         self.received.append(Received(signum, time.time(), where.step, getattr(where, "state", "BUILD")))
         if not self.pending and self.acting is not None and signum in self.acting:
             self.pending = signum
-        self._wake.set()
+        wake = self._wake
+        if wake >= 0:  # inside ``sleep``: wake it (a full pipe, in a burst, wakes it already)
+            with contextlib.suppress(OSError):
+                os.write(wake, b"\0")
 
     def raise_deadline(self, signum: int) -> bool:
         """From the watchdog's thread: the job's end is near; pending from now on as if ``signum``
@@ -222,8 +234,7 @@ class SignalWatcher:
         if self.pending:
             return False
         self.pending = DEADLINE | signum  # one attribute write: the handler and the main loop read it
-        self._wake.set()
-        return True
+        return True  # nothing to wake: ``sleep`` runs only with an exit pending, when this returns False
 
     def take_new(self) -> list[Received]:
         """Arrivals not yet reported, for the audit trail (called from the main loop, not the handler)."""
@@ -231,6 +242,22 @@ class SignalWatcher:
         return new
 
     def sleep(self, seconds: float) -> None:
-        """``exit_wait``: a further signal cuts it short."""
-        self._wake.clear()
-        self._wake.wait(seconds)
+        """``exit_wait``: a further signal cuts it short.
+
+        A pipe that lives only while this waits: the handler writes a byte to it and ``poll``
+        returns (a signal interrupts ``poll``; Python runs the handler, then polls again and finds
+        the byte). Not ``signal.set_wakeup_fd``: that is the process's one slot, which asyncio and
+        the user's code may hold. Not ``select.select``: it refuses descriptors past 1023, which a
+        process with many open files has.
+        """
+        read, write = os.pipe()
+        try:
+            os.set_blocking(write, False)  # the handler must never block on a full pipe
+            poller = select.poll()
+            poller.register(read, select.POLLIN)
+            self._wake = write
+            poller.poll(seconds * 1000.0)
+        finally:
+            self._wake = -1  # first: a handler run from here on writes nothing to a closed pipe
+            os.close(read)
+            os.close(write)
