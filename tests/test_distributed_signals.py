@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -55,3 +56,19 @@ def test_a_signal_with_async_sharded_saves_exits_after_the_sharded_checkpoint_is
     for rank in (0, 1):
         exits = [e for e in events(tmp_path, rank) if e["event"] == "exit"]
         assert [(e["reason"], e["code"], e["step"]) for e in exits] == [("preempted", 138, step)]
+
+
+def test_with_a_default_group_like_nccls_the_step_agreement_runs_in_the_gloo_host_group(tmp_path: Path) -> None:
+    """Under NCCL the default group's flag would be a GPU tensor read after every optimizer step (a
+    device sync): the step-end agreement runs in the trainer's gloo host group, once per step, and
+    both ranks still agree on the same step."""
+    result = scenario(tmp_path, timeout=90, host_group=True)
+    assert not result["hung"], f"rank(s) {result['hung']} hung; stderr: {result['stderr']}"
+    assert result["codes"] == {0: 138, 1: 138}, result["stderr"]
+    agreed = {
+        rank: [e["agreed_step"] for e in events(tmp_path, rank) if e["event"] == "signal_agreed"] for rank in (0, 1)
+    }
+    assert len(agreed[0]) == 1 and agreed[0] == agreed[1]
+    for rank in (0, 1):
+        groups = json.loads((tmp_path / f"async_all_reduces.rank{rank}.json").read_text())
+        assert groups == ["gloo"] * agreed[rank][0]  # one per step, none in the default group

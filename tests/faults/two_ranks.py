@@ -3,6 +3,11 @@ step and exit with 138, and neither may hang. Used by tests/test_distributed_sig
 
     python tests/faults/two_ranks.py --workspace /tmp/two   # runs the scenario and prints a summary
     python tests/faults/two_ranks.py --workspace /tmp/two --fsdp-async   # FSDP2, async sharded saves
+    python tests/faults/two_ranks.py --workspace /tmp/two --host-group   # the default group as NCCL's
+
+With ``--host-group`` the default group reports no CPU backend, as NCCL's does, so the trainer
+creates its gloo host group; each rank writes which group its asynchronous all-reduces (the
+step-end signal agreement's) ran in to ``async_all_reduces.rank<N>.json``.
 
 With ``scenario(..., slurm_env=...)`` no signal is sent: the ranks run in a SLURM job (that
 environment: a stand-in scontrol, tests/fake_slurm.py) whose end comes before the work is done, and
@@ -35,6 +40,7 @@ def child(
     agree: bool = False,
     fsdp_async: bool = False,
     job_end_margin: float | None = None,
+    host_group: bool = False,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -46,6 +52,17 @@ def child(
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=30)
     )
+    groups: list[str] = []
+    if host_group:
+        default, all_reduce = dist.distributed_c10d._get_default_group(), dist.all_reduce
+        dist.get_backend_config = lambda group=None: "cuda:nccl"  # type: ignore[assignment]
+
+        def recording(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+            if async_op:
+                groups.append("default" if group in (None, default) else dist.get_backend(group))
+            return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+        dist.all_reduce = recording
 
     class Trainer(BaseTrainer):
         def build_data_loader(self) -> Any:
@@ -80,6 +97,8 @@ def child(
         dist.barrier()  # both ranks leave together: gloo may abort a rank whose peer tore down first
         raise
     finally:
+        if host_group:
+            (workspace / f"async_all_reduces.rank{rank}.json").write_text(json.dumps(groups))
         gc.collect()  # the trainer's DDP model holds the group: free it before the group is destroyed
         dist.destroy_process_group()
 
@@ -105,14 +124,17 @@ def scenario(
     agree: bool = False,
     fsdp_async: bool = False,
     slurm_env: dict[str, str] | None = None,
+    host_group: bool = False,
 ) -> dict[str, Any]:
     """Run it; returns exit codes per rank, and which ranks hung (killed after ``timeout``).
     ``agree``: ``loss_none_agreement=True``, so the signal rides on the per-micro-batch agreement.
     ``fsdp_async``: an FSDP2 model and ``async_save``, so the checkpoint is sharded and written on
     each rank's writer thread (EXIT must wait for it). ``slurm_env``: run in that SLURM job
-    environment and send no signal: the job's end must stop the ranks."""
+    environment and send no signal: the job's end must stop the ranks. ``host_group``: the default
+    group looks like NCCL's (no CPU backend), see ``--host-group``."""
     port = _free_port()
     extra = (["--agree"] if agree else []) + (["--fsdp-async"] if fsdp_async else [])
+    extra += ["--host-group"] if host_group else []
     extra += ["--job-end-margin", "1"] if slurm_env is not None else []
     procs = [
         subprocess.Popen(
@@ -165,12 +187,15 @@ def main() -> None:
     parser.add_argument("--agree", action="store_true", help="loss_none_agreement=True")
     parser.add_argument("--fsdp-async", action="store_true", help="FSDP2 and async sharded saves")
     parser.add_argument("--job-end-margin", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--host-group", action="store_true", help="a default group without a CPU backend")
     args = parser.parse_args()
     if args.child is not None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        child(args.child, 2, args.port, args.workspace, args.agree, args.fsdp_async, args.job_end_margin)
+        child(
+            args.child, 2, args.port, args.workspace, args.agree, args.fsdp_async, args.job_end_margin, args.host_group
+        )
         return
-    result = scenario(args.workspace, agree=args.agree, fsdp_async=args.fsdp_async)
+    result = scenario(args.workspace, agree=args.agree, fsdp_async=args.fsdp_async, host_group=args.host_group)
     print(json.dumps({k: v for k, v in result.items() if k != "stderr"}))
 
 
