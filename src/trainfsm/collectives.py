@@ -207,7 +207,8 @@ class SignalAgreement:
 def host_group() -> Any:
     """The group for host flags: None (the default group) when it has a CPU backend, else a gloo
     group over every rank, created once per default group (collectively: every rank calls this at
-    the same point, the start of BUILD) and reused by later trainers."""
+    the same point of BUILD, its start for ``LossNoneAgreement``, the exit policy's decision for
+    ``SignalAgreement``) and reused by later trainers."""
     import torch.distributed as dist
 
     if any(part.startswith("cpu:") for part in dist.get_backend_config().split(",")):
