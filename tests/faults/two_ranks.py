@@ -55,7 +55,7 @@ def child(
     groups: list[str] = []
     if host_group:
         default, all_reduce = dist.distributed_c10d._get_default_group(), dist.all_reduce
-        dist.get_backend_config = lambda group=None: "cuda:nccl"  # type: ignore[assignment]
+        dist.get_backend_config = lambda group=None: "cuda:nccl"
 
         def recording(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
             if async_op:
