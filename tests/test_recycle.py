@@ -418,3 +418,78 @@ def test_a_signal_during_restores_reservation_stops_it_and_the_run_leaves_from_r
     transitions = [e["trigger"] for e in events if e["event"] == "transition"]
     assert transitions == ["built", "preempt"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []  # EXIT deleted the reserved files
+
+
+# ------------------------------------------------------------------ nothing else sees a file written over (issue 46)
+def saves_that_would_recycle(store: CheckpointStore) -> None:
+    """Steps 2 and 3 after step 1, pruned as a run prunes: step 1's model.pt is the file step 3
+    would write over."""
+    for step in (2, 3):
+        store.save(step, state(step), keep=False)
+        store.prune(keep_previous=0)
+
+
+def test_a_hard_link_to_a_pruned_checkpoints_file_keeps_its_bytes(tmp_path: Path) -> None:
+    # A user pinning a step with `ln`, or a backup with `cp -al` / `rsync --link-dest`.
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.save(1, state(1), keep=False)
+    pinned = tmp_path / "pinned-step-1.pt"
+    os.link(tmp_path / "checkpoints" / "1" / "model.pt", pinned)
+    saves_that_would_recycle(store)
+    assert torch.equal(torch.load(pinned, weights_only=True)["w"], state(1)["model"]["w"])
+    assert inode(tmp_path / "checkpoints" / "3" / "model.pt") != inode(pinned)
+    assert pinned.stat().st_nlink == 1  # the store let go of its name for it: nothing kept twice
+    store.close()
+
+
+READER = """
+import sys, torch
+with open(sys.argv[1], "rb") as f:  # opened while step 1 is a checkpoint
+    print("open", flush=True)
+    sys.stdin.readline()  # until the saves that would write over it are done
+    w = torch.load(f, weights_only=True)["w"]
+expected = torch.randn(int(sys.argv[2]), generator=torch.Generator().manual_seed(1))
+print("same" if torch.equal(w, expected) else "changed", flush=True)
+"""
+
+
+def test_a_reader_holding_a_pruned_checkpoints_file_open_keeps_its_bytes(tmp_path: Path) -> None:
+    # An evaluation or upload job that opened step 1 before it was pruned.
+    import subprocess
+    import sys
+
+    store = CheckpointStore(tmp_path)
+    store.save(1, state(1), keep=False)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(tmp_path / "1" / "model.pt"), str(LARGE)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reader.stdout is not None and reader.stdin is not None
+    try:
+        assert reader.stdout.readline() == "open\n"
+        saves_that_would_recycle(store)
+        reader.stdin.write("go\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline() == "same\n"
+    finally:
+        reader.kill()
+        reader.wait()
+    store.close()
+
+
+def test_a_kept_file_linked_after_its_prune_is_not_written_over(tmp_path: Path) -> None:
+    # A copy of the whole root with hard links (`cp -al checkpoints backup`) links the recycle bin's files too.
+    store = CheckpointStore(tmp_path / "checkpoints")
+    for step in (1, 2):
+        store.save(step, state(step), keep=False)
+    store.prune(keep_previous=0)
+    ((kept, _),) = recycled_paths(tmp_path / "checkpoints").items()
+    backup = tmp_path / "backup.pt"
+    os.link(kept, backup)
+    before = backup.read_bytes()
+    store.save(3, state(3), keep=False)
+    assert backup.read_bytes() == before
+    assert inode(tmp_path / "checkpoints" / "3" / "model.pt") != inode(backup)
+    store.close()

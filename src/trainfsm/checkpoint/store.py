@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
+from trainfsm.checkpoint.disk import unshared
 from trainfsm.checkpoint.io import (
     BUFFER_BYTES,
     IO_THREADS,
@@ -536,6 +537,15 @@ class CheckpointStore:
         the files kept besides the checkpoints (one more checkpoint's worth at most: a save needs
         that room anyway); ``close`` deletes them.
 
+        Only a file nothing else sees is written over (``trainfsm.checkpoint.disk.unshared``, asked
+        here and again just before the write): one with another name (a hard link: ``cp -al``,
+        ``ln`` to pin a step) or open in any process is deleted instead, which only drops the
+        store's name for it, so the link or the reader keeps step N's bytes; on a file system where
+        that cannot be known (NFS and other network ones), nothing is written over. The rule costs
+        a save nothing measurable (~20 µs a file); preallocating new files instead would have cost
+        each 200 MB save ~18 ms through the page cache and ~6 ms with ``O_DIRECT`` here, and a
+        deletion beside it.
+
         Written through the page cache, such files keep their pages there (``_recyclable``): a
         write over cached pages needs no fresh memory, which on this virtual machine is what a
         page-cache write after a pause waited for (``DurableWriter``). So the page cache holds the
@@ -577,7 +587,8 @@ class CheckpointStore:
             kept = _pt_bytes(bin_)
             for file in sorted(aside.glob("*.pt"), key=lambda f: f.stat().st_size, reverse=True):
                 size = file.stat().st_size
-                if size < RECYCLED_BYTES or kept + size > room:
+                # Linked or open elsewhere: those bytes are someone's step N, never written over.
+                if size < RECYCLED_BYTES or kept + size > room or not unshared(file):
                     self._cached.forget(file)  # deleted below: its inode may be a new file's next
                     continue
                 bin_.mkdir(exist_ok=True)
@@ -599,13 +610,17 @@ class CheckpointStore:
             files = [(entry.stat(), entry.path) for entry in os.scandir(bin_) if entry.name.endswith(".pt")]
         except FileNotFoundError:
             return False, False
-        if not files:
-            return False, False
-        large_enough = [f for f in files if f[0].st_size >= nbytes]
-        candidates = large_enough or [max(files, key=lambda f: f[0].st_size)]
-        stat, chosen = min(candidates, key=lambda f: (self._cached.holds(f[0]) == direct, f[0].st_size))
-        os.rename(chosen, path)  # durable with both directories' fsyncs (``_save_into``)
-        return True, self._cached.holds(stat)
+        while files:
+            large_enough = [f for f in files if f[0].st_size >= nbytes]
+            candidates = large_enough or [max(files, key=lambda f: f[0].st_size)]
+            stat, chosen = min(candidates, key=lambda f: (self._cached.holds(f[0]) == direct, f[0].st_size))
+            os.rename(chosen, path)  # durable with both directories' fsyncs (``_save_into``)
+            if unshared(path):  # asked again now: linked or opened since its prune (a copy of the root)
+                return True, self._cached.holds(stat)
+            self._cached.forget(path)
+            path.unlink()  # theirs now: the store only lets go of its name
+            files.remove((stat, chosen))
+        return False, False
 
 
 class _CachedFiles:
