@@ -99,11 +99,19 @@ def test_close_deletes_the_files_kept_for_recycling(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "latest"]
 
 
-def test_restore_removes_what_a_crashed_run_kept_for_recycling(tmp_path: Path) -> None:
-    (tmp_path / RECYCLE).mkdir()
-    (tmp_path / RECYCLE / "0123456789ab.pt").write_bytes(b"x" * 4096)
-    assert CheckpointStore(tmp_path).remove_leftovers() == [RECYCLE]
-    assert not (tmp_path / RECYCLE).exists()
+def test_restore_keeps_what_a_crashed_run_kept_for_recycling_as_the_next_saves_room(tmp_path: Path) -> None:
+    crashed = CheckpointStore(tmp_path)  # never closed
+    for step in (1, 2):
+        crashed.save(step, state(step), keep=False)
+    crashed.prune(keep_previous=0)
+    kept = recycled(tmp_path)
+    store = CheckpointStore(tmp_path)
+    assert store.remove_leftovers() == []
+    assert recycled(tmp_path) == kept
+    # The newest checkpoint and the kept file: the room of keep_previous=0's two, nothing to add.
+    assert store.reserve({"model": LARGE * 4}, copies=2) == (0, True, 0)
+    store.save(3, state(3), keep=False)
+    assert inode(tmp_path / "3" / "model.pt") in kept
 
 
 def test_a_save_that_fails_over_a_recycled_file_leaves_the_latest_checkpoint(tmp_path: Path) -> None:
@@ -133,8 +141,8 @@ def test_reserve_writes_a_file_the_first_save_writes_over(tmp_path: Path) -> Non
 def test_reserve_writes_nothing_where_the_files_kept_hold_enough(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     assert store.reserve({"model": LARGE * 4}).bytes > 0
-    assert store.reserve({"model": LARGE * 4}) == (0, True)
-    assert store.reserve({"model": 1000}) == (0, True)
+    assert store.reserve({"model": LARGE * 4}) == (0, True, 0)
+    assert store.reserve({"model": 1000}) == (0, True, 0)
     assert len(recycled(tmp_path)) == 1
 
 
@@ -377,7 +385,7 @@ def test_reserve_stops_where_asked_and_leaves_only_whole_files(tmp_path: Path) -
 
     store = CheckpointStore(tmp_path)
     reserved = store.reserve({"model": 3 * BUFFER_BYTES}, copies=3, stop=stop)
-    assert reserved == (3 * BUFFER_BYTES, False)
+    assert reserved == (3 * BUFFER_BYTES, False, 0)
     assert list(recycled(tmp_path).values()) == [3 * BUFFER_BYTES]  # the one cut short is gone
     store.close()
 
@@ -493,3 +501,81 @@ def test_a_kept_file_linked_after_its_prune_is_not_written_over(tmp_path: Path) 
     assert backup.read_bytes() == before
     assert inode(tmp_path / "checkpoints" / "3" / "model.pt") != inode(backup)
     store.close()
+
+
+# ------------------------------------------------------------------ a restart's room (issue 46)
+def taken(root: Path) -> int:
+    """The bytes the files under ``root`` take on the disk (their allocated blocks)."""
+    return sum(p.lstat().st_blocks * 512 for p in root.rglob("*") if not p.is_dir() or p.is_symlink())
+
+
+def written_by_this_process() -> int:
+    """Bytes this process has passed to write calls so far (``wchar``: fallocate writes none)."""
+    return int(Path("/proc/self/io").read_text().split("wchar:")[1].split()[0])
+
+
+class DiskUse(BaseHook):
+    """Listed first: this process's bytes written as RESTORE begins; at each step's start, after
+    RESTORE or after the last save's prune, the bytes the checkpoints take and the bytes written."""
+
+    def __init__(self) -> None:
+        self.taken: list[int] = []
+        self.written: list[int] = []
+
+    def on_enter_restore(self, trainer: BaseTrainer) -> None:
+        self.written.append(written_by_this_process())
+
+    def on_before_step(self, trainer: BaseTrainer) -> None:
+        self.taken.append(taken(trainer.workspace / "checkpoints"))
+        self.written.append(written_by_this_process())
+
+
+@pytest.fixture
+def restarted(tmp_path: Path) -> tuple[DiskUse, DiskUse, Path]:
+    """A run saving at every step (keep_previous=0) that stops after step 3, resumed for step 4:
+    the first run's and the restart's disk use. Through the page cache (``direct_io=False``) so
+    that RESTORE writes nothing to measure the disk."""
+    if not Path("/proc/self/io").is_file():
+        pytest.skip("no /proc/self/io: this process's bytes written cannot be read")
+    first, second = DiskUse(), DiskUse()
+    for use, steps in ((first, 3), (second, 4)):
+        hook = CheckpointingHook(interval=1, direct_io=False)
+        Wide([use, hook], max_steps=steps, workspace=tmp_path, device="cpu").train()
+    return first, second, tmp_path
+
+
+def test_a_restart_takes_the_disk_room_of_the_steady_state(restarted: tuple[DiskUse, DiskUse, Path]) -> None:
+    # The steady state: the newest checkpoint and the pruned one's model.pt, kept for the next save.
+    first, second, _ = restarted
+    steady, after_restore = first.taken[-1], second.taken[0]
+    assert steady >= 2 * 1536 * 1536 * 4
+    assert after_restore == steady  # before: a third checkpoint's worth more (the loaded one and two reserved)
+
+
+def test_a_restart_writes_no_filler(restarted: tuple[DiskUse, DiskUse, Path]) -> None:
+    first, second, workspace = restarted
+    assert first.written[1] - first.written[0] >= 2 * 1536 * 1536 * 4  # a fresh start writes the first saves' room
+    assert second.written[1] - second.written[0] < 1 << 20  # a restart writes only the trail's lines
+    events = [json.loads(line) for line in (workspace / "logs" / "events.rank0.jsonl").read_text().splitlines()]
+    *_, at_restart = [e for e in events if e["event"] == "checkpoint_room_reserved"]
+    assert at_restart["bytes"] == 0 and at_restart["allocated"] >= 1536 * 1536 * 4 and at_restart["complete"]
+
+
+def test_a_restart_without_room_fails_in_restore(tmp_path: Path, monkeypatch: Any) -> None:
+    import errno
+
+    from trainfsm.checkpoint import store as store_module
+    from trainfsm.checkpoint.store import CheckpointError
+
+    Wide([CheckpointingHook(interval=1)], max_steps=1, workspace=tmp_path, device="cpu").train()
+
+    def full(directory: Path, sizes: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_module, "allocate", full, raising=False)
+    steps = SeeReserved()
+    trainer = Wide([CheckpointingHook(interval=1), steps], max_steps=2, workspace=tmp_path, device="cpu")
+    no_room = r"has no room for this run's checkpoints.*CheckpointingHook\(path=\.\.\.\)"
+    with pytest.raises(CheckpointError, match=no_room):
+        trainer.train()
+    assert steps.inodes is None  # no step was taken
