@@ -21,7 +21,7 @@ from torch import nn
 
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
 from trainfsm.checkpoint.io import BUFFER_BYTES
-from trainfsm.checkpoint.store import RECYCLE, RECYCLED_BYTES, CheckpointStore
+from trainfsm.checkpoint.store import RECYCLE, RECYCLED_BYTES, CheckpointError, CheckpointStore
 
 LARGE = RECYCLED_BYTES // 4 + 4096  # float32 elements: a tensor just over the size worth recycling
 
@@ -69,6 +69,20 @@ def test_a_file_written_over_a_larger_one_is_cut_to_its_size_and_verifies(tmp_pa
     assert size == manifest["files"]["model.pt"]["bytes"] < large
     CheckpointStore.verify(tmp_path / "3")
     assert torch.equal(CheckpointStore.load(tmp_path / "3")["model"]["w"], state(3)["model"]["w"])
+
+
+def test_a_file_with_an_older_files_tail_fails_verification(tmp_path: Path) -> None:
+    # What a file written over a larger one would be without its cut (the writer opens it without
+    # O_TRUNC, torch's crc32 is off, and torch.load may read the old tail's central directory):
+    # the manifest's size and checksum find it before torch reads a byte.
+    store = CheckpointStore(tmp_path)
+    store.save(1, state(1, elements=2 * LARGE), keep=False)
+    store.save(2, state(2), keep=False)
+    older, newer = (tmp_path / "1" / "model.pt").read_bytes(), tmp_path / "2" / "model.pt"
+    newer.write_bytes(newer.read_bytes() + older[newer.stat().st_size :])
+    with pytest.raises(CheckpointError, match=r"model.pt has \d+ bytes, the manifest says \d+"):
+        CheckpointStore.load(tmp_path / "2")
+    store.close()
 
 
 def test_small_files_are_deleted_as_before(tmp_path: Path) -> None:
@@ -521,9 +535,12 @@ class DiskUse(BaseHook):
     def __init__(self) -> None:
         self.taken: list[int] = []
         self.written: list[int] = []
+        self.loaded: int | None = None  # the inode of the model.pt RESTORE will load
 
     def on_enter_restore(self, trainer: BaseTrainer) -> None:
         self.written.append(written_by_this_process())
+        latest = trainer.workspace / "checkpoints" / "latest" / "model.pt"
+        self.loaded = inode(latest) if latest.exists() else None
 
     def on_before_step(self, trainer: BaseTrainer) -> None:
         self.taken.append(taken(trainer.workspace / "checkpoints"))
@@ -531,29 +548,29 @@ class DiskUse(BaseHook):
 
 
 @pytest.fixture
-def restarted(tmp_path: Path) -> tuple[DiskUse, DiskUse, Path]:
-    """A run saving at every step (keep_previous=0) that stops after step 3, resumed for step 4:
-    the first run's and the restart's disk use. Through the page cache (``direct_io=False``) so
-    that RESTORE writes nothing to measure the disk."""
+def restarted(tmp_path: Path) -> tuple[DiskUse, DiskUse, Path, SeeReserved]:
+    """A run saving at every step (keep_previous=0) that stops after step 3, resumed for steps 4
+    and 5: the first run's and the restart's disk use, and the restart's saves. Through the page
+    cache (``direct_io=False``) so that RESTORE writes nothing to measure the disk."""
     if not Path("/proc/self/io").is_file():
         pytest.skip("no /proc/self/io: this process's bytes written cannot be read")
-    first, second = DiskUse(), DiskUse()
-    for use, steps in ((first, 3), (second, 4)):
+    first, second, saves = DiskUse(), DiskUse(), SeeReserved()
+    for hooks, steps in (([first], 3), ([second, saves], 5)):
         hook = CheckpointingHook(interval=1, direct_io=False)
-        Wide([use, hook], max_steps=steps, workspace=tmp_path, device="cpu").train()
-    return first, second, tmp_path
+        Wide([hooks[0], hook, *hooks[1:]], max_steps=steps, workspace=tmp_path, device="cpu").train()
+    return first, second, tmp_path, saves
 
 
-def test_a_restart_takes_the_disk_room_of_the_steady_state(restarted: tuple[DiskUse, DiskUse, Path]) -> None:
+def test_a_restart_takes_the_disk_room_of_the_steady_state(restarted: tuple[DiskUse, DiskUse, Path, Any]) -> None:
     # The steady state: the newest checkpoint and the pruned one's model.pt, kept for the next save.
-    first, second, _ = restarted
+    first, second, _, _ = restarted
     steady, after_restore = first.taken[-1], second.taken[0]
     assert steady >= 2 * 1536 * 1536 * 4
     assert after_restore == steady  # before: a third checkpoint's worth more (the loaded one and two reserved)
 
 
-def test_a_restart_writes_no_filler(restarted: tuple[DiskUse, DiskUse, Path]) -> None:
-    first, second, workspace = restarted
+def test_a_restart_writes_no_filler(restarted: tuple[DiskUse, DiskUse, Path, Any]) -> None:
+    first, second, workspace, _ = restarted
     assert first.written[1] - first.written[0] >= 2 * 1536 * 1536 * 4  # a fresh start writes the first saves' room
     assert second.written[1] - second.written[0] < 1 << 20  # a restart writes only the trail's lines
     events = [json.loads(line) for line in (workspace / "logs" / "events.rank0.jsonl").read_text().splitlines()]
@@ -561,11 +578,20 @@ def test_a_restart_writes_no_filler(restarted: tuple[DiskUse, DiskUse, Path]) ->
     assert at_restart["bytes"] == 0 and at_restart["allocated"] >= 1536 * 1536 * 4 and at_restart["complete"]
 
 
+def test_the_checkpoint_a_restart_loaded_is_written_over_once_pruned(
+    restarted: tuple[DiskUse, DiskUse, Path, SeeReserved],
+) -> None:
+    # Loading it leaves it open nowhere: step 5 writes over step 3's file, as in a run that never stopped.
+    _, second, _, saves = restarted
+    assert second.loaded is not None
+    step_4, step_5 = saves.saved
+    assert step_5 == second.loaded != step_4
+
+
 def test_a_restart_without_room_fails_in_restore(tmp_path: Path, monkeypatch: Any) -> None:
     import errno
 
     from trainfsm.checkpoint import store as store_module
-    from trainfsm.checkpoint.store import CheckpointError
 
     Wide([CheckpointingHook(interval=1)], max_steps=1, workspace=tmp_path, device="cpu").train()
 
@@ -579,3 +605,37 @@ def test_a_restart_without_room_fails_in_restore(tmp_path: Path, monkeypatch: An
     with pytest.raises(CheckpointError, match=no_room):
         trainer.train()
     assert steps.inodes is None  # no step was taken
+
+
+def test_allocate_takes_the_blocks_without_writing(tmp_path: Path) -> None:
+    from trainfsm.checkpoint.disk import allocate
+
+    if not Path("/proc/self/io").is_file():
+        pytest.skip("no /proc/self/io: this process's bytes written cannot be read")
+    before = written_by_this_process()
+    assert allocate(tmp_path, [("a.pt", 3 << 20), ("b.pt", 1 << 20)]) == 4 << 20
+    assert written_by_this_process() - before < 4096
+    for name, size in (("a.pt", 3 << 20), ("b.pt", 1 << 20)):
+        stat = (tmp_path / name).stat()
+        assert stat.st_size == size and stat.st_blocks * 512 >= size
+
+
+def test_where_nothing_can_be_allocated_the_free_space_is_checked(tmp_path: Path) -> None:
+    import errno
+
+    from trainfsm.checkpoint.disk import _check_free
+
+    assert _check_free(tmp_path, 1 << 20) == 0
+    with pytest.raises(OSError) as no_room:
+        _check_free(tmp_path, 1 << 62)
+    assert no_room.value.errno == errno.ENOSPC and "needed" in str(no_room.value)
+
+
+def test_a_file_on_a_file_system_not_known_to_be_local_is_never_written_over() -> None:
+    # Its other readers may be on other hosts (NFS, Lustre, ...), where this host's leases see nothing.
+    from trainfsm.checkpoint.disk import file_system, unshared
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("no procfs here")
+    assert file_system(Path("/proc/self/status")) is None
+    assert not unshared(Path("/proc/self/status"))
