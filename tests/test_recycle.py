@@ -639,3 +639,24 @@ def test_a_file_on_a_file_system_not_known_to_be_local_is_never_written_over() -
         pytest.skip("no procfs here")
     assert file_system(Path("/proc/self/status")) is None
     assert not unshared(Path("/proc/self/status"))
+
+
+def test_where_sharing_cannot_be_known_only_the_stores_own_reserved_files_are_written_over(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # As on NFS: no lease tells whether another host has a pruned file open. The files RESTORE
+    # reserved were seen by no one, so the first saves still write over them; pruned files are deleted.
+    from trainfsm.checkpoint import store as store_module
+
+    monkeypatch.setattr(store_module, "unshared", lambda path: False)
+    store = CheckpointStore(tmp_path)
+    store.reserve({"model": LARGE * 4}, copies=2)
+    reserved = set(recycled(tmp_path))
+    saved = []
+    for step in (1, 2, 3):
+        checkpoint, _, _ = store.save(step, state(step), keep=False)
+        saved.append(inode(checkpoint.path / "model.pt"))
+        store.prune(keep_previous=0)
+        assert recycled(tmp_path).keys() <= reserved  # a pruned file is deleted, not kept
+    assert len(reserved) == 2 and set(saved[:2]) == reserved
+    store.close()

@@ -160,6 +160,9 @@ class CheckpointStore:
         self.written_with: Choice | None = None  # the way the last save's largest file was written, and why
         self._file_bytes: dict[str, int] = {}  # each file's size at the last save: how its next one is written
         self._cached = _CachedFiles()  # which recycled files a page-cache write finds in the cache
+        # Inodes of the files ``reserve`` made in this process and no save has used yet: no one else
+        # has seen them, so a save writes over them even where ``unshared`` cannot tell (NFS).
+        self._reserved: set[int] = set()
         # Pointers to move with a later save (point_when_saved): pointer -> first step it may name.
         # Registered on the training thread, applied on the one that saves (an async writer).
         self._due: dict[str, int] = {}
@@ -177,6 +180,7 @@ class CheckpointStore:
         with self._saving:
             shutil.rmtree(self.root / RECYCLE, ignore_errors=True)
             self._cached = _CachedFiles()
+            self._reserved.clear()
 
     # ------------------------------------------------------------------ saving
     def prepare(self) -> float:
@@ -252,7 +256,11 @@ class CheckpointStore:
                 return Reserved(0, True)
             bin_.mkdir(parents=True, exist_ok=True)
             if restart:
-                allocated = allocate(bin_, [(f"{uuid.uuid4().hex[:12]}.pt", n) for n in missing])
+                names = [f"{uuid.uuid4().hex[:12]}.pt" for _ in missing]
+                try:
+                    allocated = allocate(bin_, zip(names, missing, strict=True))
+                finally:
+                    self._reserved.update(st.st_ino for st in map(_stat, (bin_ / n for n in names)) if st)
                 return Reserved(0, True, allocated)
             data = filler()
             written = 0
@@ -276,6 +284,7 @@ class CheckpointStore:
                 if not complete:
                     return Reserved(written, False)
                 self._cached.wrote(writer)
+                self._reserved.add(path.stat().st_ino)
                 written += writer.bytes
             return Reserved(written, True)
 
@@ -655,7 +664,9 @@ class CheckpointStore:
             candidates = large_enough or [max(files, key=lambda f: f[0].st_size)]
             stat, chosen = min(candidates, key=lambda f: (self._cached.holds(f[0]) == direct, f[0].st_size))
             os.rename(chosen, path)  # durable with both directories' fsyncs (``_save_into``)
-            if unshared(path):  # asked again now: linked or opened since its prune (a copy of the root)
+            # Asked again now: linked or opened since its prune (a copy of the root, say).
+            if stat.st_ino in self._reserved or unshared(path):
+                self._reserved.discard(stat.st_ino)
                 return True, self._cached.holds(stat)
             self._cached.forget(path)
             path.unlink()  # theirs now: the store only lets go of its name
@@ -708,12 +719,17 @@ def _recyclable(nbytes: int, keep: bool) -> bool:
     return nbytes >= RECYCLED_BYTES and not keep
 
 
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+
+
 def _file_bytes(path: Path) -> int:
     """The size of ``path`` (0 where it is missing)."""
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
+    stat = _stat(path)
+    return 0 if stat is None else stat.st_size
 
 
 def _pt_bytes(directory: Path) -> int:
