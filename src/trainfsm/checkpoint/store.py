@@ -218,9 +218,9 @@ class CheckpointStore:
         saves to write over (``prune``), less the room the disk holds for them already: the files
         kept for recycling and those of the unkept checkpoints that pruning will recycle (the one a
         restart just loaded among them; not one a pointer other than ``latest`` names, nor a file
-        with another name). Files too small to matter are left out. So a restart takes no more
-        room than the run's steady state (a checkpoint more, with ``keep_previous=0``) and a disk
-        without that room fails now: OSError ENOSPC.
+        with another name). Files too small to matter are left out. So a restart takes the room
+        the run took between its saves (with ``keep_previous=0``: the newest checkpoint and one
+        checkpoint's files kept for the next save), and a disk without it fails now: OSError ENOSPC.
 
         Where the disk holds none of that room (a fresh start), the files are written, so that the
         first saves write over allocated blocks and, through the page cache, cached pages, as later
