@@ -21,7 +21,7 @@ from torch import nn
 
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
 from trainfsm.checkpoint.io import BUFFER_BYTES
-from trainfsm.checkpoint.store import RECYCLE, RECYCLED_BYTES, CheckpointStore
+from trainfsm.checkpoint.store import RECYCLE, RECYCLED_BYTES, CheckpointError, CheckpointStore
 
 LARGE = RECYCLED_BYTES // 4 + 4096  # float32 elements: a tensor just over the size worth recycling
 
@@ -71,6 +71,20 @@ def test_a_file_written_over_a_larger_one_is_cut_to_its_size_and_verifies(tmp_pa
     assert torch.equal(CheckpointStore.load(tmp_path / "3")["model"]["w"], state(3)["model"]["w"])
 
 
+def test_a_file_with_an_older_files_tail_fails_verification(tmp_path: Path) -> None:
+    # What a file written over a larger one would be without its cut (the writer opens it without
+    # O_TRUNC, torch's crc32 is off, and torch.load may read the old tail's central directory):
+    # the manifest's size and checksum find it before torch reads a byte.
+    store = CheckpointStore(tmp_path)
+    store.save(1, state(1, elements=2 * LARGE), keep=False)
+    store.save(2, state(2), keep=False)
+    older, newer = (tmp_path / "1" / "model.pt").read_bytes(), tmp_path / "2" / "model.pt"
+    newer.write_bytes(newer.read_bytes() + older[newer.stat().st_size :])
+    with pytest.raises(CheckpointError, match=r"model.pt has \d+ bytes, the manifest says \d+"):
+        CheckpointStore.load(tmp_path / "2")
+    store.close()
+
+
 def test_small_files_are_deleted_as_before(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     for step in (1, 2):
@@ -99,11 +113,19 @@ def test_close_deletes_the_files_kept_for_recycling(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "latest"]
 
 
-def test_restore_removes_what_a_crashed_run_kept_for_recycling(tmp_path: Path) -> None:
-    (tmp_path / RECYCLE).mkdir()
-    (tmp_path / RECYCLE / "0123456789ab.pt").write_bytes(b"x" * 4096)
-    assert CheckpointStore(tmp_path).remove_leftovers() == [RECYCLE]
-    assert not (tmp_path / RECYCLE).exists()
+def test_restore_keeps_what_a_crashed_run_kept_for_recycling_as_the_next_saves_room(tmp_path: Path) -> None:
+    crashed = CheckpointStore(tmp_path)  # never closed
+    for step in (1, 2):
+        crashed.save(step, state(step), keep=False)
+    crashed.prune(keep_previous=0)
+    kept = recycled(tmp_path)
+    store = CheckpointStore(tmp_path)
+    assert store.remove_leftovers() == []
+    assert recycled(tmp_path) == kept
+    # The newest checkpoint and the kept file: the room of keep_previous=0's two, nothing to add.
+    assert store.reserve({"model": LARGE * 4}, copies=2) == (0, True, 0)
+    store.save(3, state(3), keep=False)
+    assert inode(tmp_path / "3" / "model.pt") in kept
 
 
 def test_a_save_that_fails_over_a_recycled_file_leaves_the_latest_checkpoint(tmp_path: Path) -> None:
@@ -133,8 +155,8 @@ def test_reserve_writes_a_file_the_first_save_writes_over(tmp_path: Path) -> Non
 def test_reserve_writes_nothing_where_the_files_kept_hold_enough(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     assert store.reserve({"model": LARGE * 4}).bytes > 0
-    assert store.reserve({"model": LARGE * 4}) == (0, True)
-    assert store.reserve({"model": 1000}) == (0, True)
+    assert store.reserve({"model": LARGE * 4}) == (0, True, 0)
+    assert store.reserve({"model": 1000}) == (0, True, 0)
     assert len(recycled(tmp_path)) == 1
 
 
@@ -377,7 +399,7 @@ def test_reserve_stops_where_asked_and_leaves_only_whole_files(tmp_path: Path) -
 
     store = CheckpointStore(tmp_path)
     reserved = store.reserve({"model": 3 * BUFFER_BYTES}, copies=3, stop=stop)
-    assert reserved == (3 * BUFFER_BYTES, False)
+    assert reserved == (3 * BUFFER_BYTES, False, 0)
     assert list(recycled(tmp_path).values()) == [3 * BUFFER_BYTES]  # the one cut short is gone
     store.close()
 
@@ -418,3 +440,223 @@ def test_a_signal_during_restores_reservation_stops_it_and_the_run_leaves_from_r
     transitions = [e["trigger"] for e in events if e["event"] == "transition"]
     assert transitions == ["built", "preempt"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []  # EXIT deleted the reserved files
+
+
+# ------------------------------------------------------------------ nothing else sees a file written over (issue 46)
+def saves_that_would_recycle(store: CheckpointStore) -> None:
+    """Steps 2 and 3 after step 1, pruned as a run prunes: step 1's model.pt is the file step 3
+    would write over."""
+    for step in (2, 3):
+        store.save(step, state(step), keep=False)
+        store.prune(keep_previous=0)
+
+
+def test_a_hard_link_to_a_pruned_checkpoints_file_keeps_its_bytes(tmp_path: Path) -> None:
+    # A user pinning a step with `ln`, or a backup with `cp -al` / `rsync --link-dest`.
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.save(1, state(1), keep=False)
+    pinned = tmp_path / "pinned-step-1.pt"
+    os.link(tmp_path / "checkpoints" / "1" / "model.pt", pinned)
+    saves_that_would_recycle(store)
+    assert torch.equal(torch.load(pinned, weights_only=True)["w"], state(1)["model"]["w"])
+    assert inode(tmp_path / "checkpoints" / "3" / "model.pt") != inode(pinned)
+    assert pinned.stat().st_nlink == 1  # the store let go of its name for it: nothing kept twice
+    store.close()
+
+
+READER = """
+import sys, torch
+with open(sys.argv[1], "rb") as f:  # opened while step 1 is a checkpoint
+    print("open", flush=True)
+    sys.stdin.readline()  # until the saves that would write over it are done
+    w = torch.load(f, weights_only=True)["w"]
+expected = torch.randn(int(sys.argv[2]), generator=torch.Generator().manual_seed(1))
+print("same" if torch.equal(w, expected) else "changed", flush=True)
+"""
+
+
+def test_a_reader_holding_a_pruned_checkpoints_file_open_keeps_its_bytes(tmp_path: Path) -> None:
+    # An evaluation or upload job that opened step 1 before it was pruned.
+    import subprocess
+    import sys
+
+    store = CheckpointStore(tmp_path)
+    store.save(1, state(1), keep=False)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(tmp_path / "1" / "model.pt"), str(LARGE)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert reader.stdout is not None and reader.stdin is not None
+    try:
+        assert reader.stdout.readline() == "open\n"
+        saves_that_would_recycle(store)
+        reader.stdin.write("go\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline() == "same\n"
+    finally:
+        reader.kill()
+        reader.wait()
+    store.close()
+
+
+def test_a_kept_file_linked_after_its_prune_is_not_written_over(tmp_path: Path) -> None:
+    # A copy of the whole root with hard links (`cp -al checkpoints backup`) links the recycle bin's files too.
+    store = CheckpointStore(tmp_path / "checkpoints")
+    for step in (1, 2):
+        store.save(step, state(step), keep=False)
+    store.prune(keep_previous=0)
+    ((kept, _),) = recycled_paths(tmp_path / "checkpoints").items()
+    backup = tmp_path / "backup.pt"
+    os.link(kept, backup)
+    before = backup.read_bytes()
+    store.save(3, state(3), keep=False)
+    assert backup.read_bytes() == before
+    assert inode(tmp_path / "checkpoints" / "3" / "model.pt") != inode(backup)
+    store.close()
+
+
+# ------------------------------------------------------------------ a restart's room (issue 46)
+def taken(root: Path) -> int:
+    """The bytes the files under ``root`` take on the disk (their allocated blocks)."""
+    return sum(p.lstat().st_blocks * 512 for p in root.rglob("*") if not p.is_dir() or p.is_symlink())
+
+
+def written_by_this_process() -> int:
+    """Bytes this process has passed to write calls so far (``wchar``: fallocate writes none)."""
+    return int(Path("/proc/self/io").read_text().split("wchar:")[1].split()[0])
+
+
+class DiskUse(BaseHook):
+    """Listed first: this process's bytes written as RESTORE begins; at each step's start, after
+    RESTORE or after the last save's prune, the bytes the checkpoints take and the bytes written."""
+
+    def __init__(self) -> None:
+        self.taken: list[int] = []
+        self.written: list[int] = []
+        self.loaded: int | None = None  # the inode of the model.pt RESTORE will load
+
+    def on_enter_restore(self, trainer: BaseTrainer) -> None:
+        self.written.append(written_by_this_process())
+        latest = trainer.workspace / "checkpoints" / "latest" / "model.pt"
+        self.loaded = inode(latest) if latest.exists() else None
+
+    def on_before_step(self, trainer: BaseTrainer) -> None:
+        self.taken.append(taken(trainer.workspace / "checkpoints"))
+        self.written.append(written_by_this_process())
+
+
+@pytest.fixture
+def restarted(tmp_path: Path) -> tuple[DiskUse, DiskUse, Path, SeeReserved]:
+    """A run saving at every step (keep_previous=0) that stops after step 3, resumed for steps 4
+    and 5: the first run's and the restart's disk use, and the restart's saves. Through the page
+    cache (``direct_io=False``) so that RESTORE writes nothing to measure the disk."""
+    if not Path("/proc/self/io").is_file():
+        pytest.skip("no /proc/self/io: this process's bytes written cannot be read")
+    first, second, saves = DiskUse(), DiskUse(), SeeReserved()
+    for hooks, steps in (([first], 3), ([second, saves], 5)):
+        hook = CheckpointingHook(interval=1, direct_io=False)
+        Wide([hooks[0], hook, *hooks[1:]], max_steps=steps, workspace=tmp_path, device="cpu").train()
+    return first, second, tmp_path, saves
+
+
+def test_a_restart_takes_the_disk_room_of_the_steady_state(restarted: tuple[DiskUse, DiskUse, Path, Any]) -> None:
+    # The steady state: the newest checkpoint and the pruned one's model.pt, kept for the next save.
+    first, second, _, _ = restarted
+    steady, after_restore = first.taken[-1], second.taken[0]
+    assert steady >= 2 * 1536 * 1536 * 4
+    assert after_restore == steady  # before: a third checkpoint's worth more (the loaded one and two reserved)
+
+
+def test_a_restart_writes_no_filler(restarted: tuple[DiskUse, DiskUse, Path, Any]) -> None:
+    first, second, workspace, _ = restarted
+    assert first.written[1] - first.written[0] >= 2 * 1536 * 1536 * 4  # a fresh start writes the first saves' room
+    assert second.written[1] - second.written[0] < 1 << 20  # a restart writes only the trail's lines
+    events = [json.loads(line) for line in (workspace / "logs" / "events.rank0.jsonl").read_text().splitlines()]
+    *_, at_restart = [e for e in events if e["event"] == "checkpoint_room_reserved"]
+    assert at_restart["bytes"] == 0 and at_restart["allocated"] >= 1536 * 1536 * 4 and at_restart["complete"]
+
+
+def test_the_checkpoint_a_restart_loaded_is_written_over_once_pruned(
+    restarted: tuple[DiskUse, DiskUse, Path, SeeReserved],
+) -> None:
+    # Loading it leaves it open nowhere: step 5 writes over step 3's file, as in a run that never stopped.
+    _, second, _, saves = restarted
+    assert second.loaded is not None
+    step_4, step_5 = saves.saved
+    assert step_5 == second.loaded != step_4
+
+
+def test_a_restart_without_room_fails_in_restore(tmp_path: Path, monkeypatch: Any) -> None:
+    import errno
+
+    from trainfsm.checkpoint import store as store_module
+
+    Wide([CheckpointingHook(interval=1)], max_steps=1, workspace=tmp_path, device="cpu").train()
+
+    def full(directory: Path, sizes: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_module, "allocate", full, raising=False)
+    steps = SeeReserved()
+    trainer = Wide([CheckpointingHook(interval=1), steps], max_steps=2, workspace=tmp_path, device="cpu")
+    no_room = r"has no room for this run's checkpoints.*CheckpointingHook\(path=\.\.\.\)"
+    with pytest.raises(CheckpointError, match=no_room):
+        trainer.train()
+    assert steps.inodes is None  # no step was taken
+
+
+def test_allocate_takes_the_blocks_without_writing(tmp_path: Path) -> None:
+    from trainfsm.checkpoint.disk import allocate
+
+    if not Path("/proc/self/io").is_file():
+        pytest.skip("no /proc/self/io: this process's bytes written cannot be read")
+    before = written_by_this_process()
+    assert allocate(tmp_path, [("a.pt", 3 << 20), ("b.pt", 1 << 20)]) == 4 << 20
+    assert written_by_this_process() - before < 4096
+    for name, size in (("a.pt", 3 << 20), ("b.pt", 1 << 20)):
+        stat = (tmp_path / name).stat()
+        assert stat.st_size == size and stat.st_blocks * 512 >= size
+
+
+def test_where_nothing_can_be_allocated_the_free_space_is_checked(tmp_path: Path) -> None:
+    import errno
+
+    from trainfsm.checkpoint.disk import _check_free
+
+    assert _check_free(tmp_path, 1 << 20) == 0
+    with pytest.raises(OSError) as no_room:
+        _check_free(tmp_path, 1 << 62)
+    assert no_room.value.errno == errno.ENOSPC and "needed" in str(no_room.value)
+
+
+def test_a_file_on_a_file_system_not_known_to_be_local_is_never_written_over() -> None:
+    # Its other readers may be on other hosts (NFS, Lustre, ...), where this host's leases see nothing.
+    from trainfsm.checkpoint.disk import file_system, unshared
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("no procfs here")
+    assert file_system(Path("/proc/self/status")) is None
+    assert not unshared(Path("/proc/self/status"))
+
+
+def test_where_sharing_cannot_be_known_only_the_stores_own_reserved_files_are_written_over(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # As on NFS: no lease tells whether another host has a pruned file open. The files RESTORE
+    # reserved were seen by no one, so the first saves still write over them; pruned files are deleted.
+    from trainfsm.checkpoint import store as store_module
+
+    monkeypatch.setattr(store_module, "unshared", lambda path: False)
+    store = CheckpointStore(tmp_path)
+    store.reserve({"model": LARGE * 4}, copies=2)
+    reserved = set(recycled(tmp_path))
+    saved = []
+    for step in (1, 2, 3):
+        checkpoint, _, _ = store.save(step, state(step), keep=False)
+        saved.append(inode(checkpoint.path / "model.pt"))
+        store.prune(keep_previous=0)
+        assert recycled(tmp_path).keys() <= reserved  # a pruned file is deleted, not kept
+    assert len(reserved) == 2 and set(saved[:2]) == reserved
+    store.close()

@@ -4,6 +4,7 @@
   last, rename, ``latest``), listed, verified and pruned;
 - ``manifest``: what a complete checkpoint holds and the checks made before a byte is unpickled;
 - ``io``: how bytes reach the disk fast (staging buffers, ``O_DIRECT``, checksums on the way);
+- ``disk``: whether a file may be written over (nothing else sees it), and room taken without writing;
 - ``sharded``: DCP for model and optimizer states split over ranks;
 - ``trainloop``: checkpoints that trainloop wrote, read as they are;
 - ``save``, ``restore``, ``background``: what a checkpoint holds and which rank writes what, which

@@ -56,29 +56,36 @@ def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool | str, check
 
 
 def reserve_room(trainer: BaseTrainer, store: CheckpointStore, model_state: dict[str, Any], copies: int) -> None:
-    """Rank 0, saving whole checkpoints: have the store write, now, ``copies`` files as large as a
-    save's model and optimizer state (``model_state``, its global shapes: what a full save
-    gathers; ``optimizer_state_bytes``), so that the saves before the first prune write over
-    allocated blocks as later ones do (``CheckpointStore.reserve``). The trail says how much and
-    how long (``checkpoint_room_reserved``). An exit signal stops it where it is: the run leaves at
-    RESTORE's end, and EXIT deletes what was written (``complete=False``)."""
+    """Rank 0, saving whole checkpoints: have the store take, now, the room of ``copies`` files as
+    large as a save's model and optimizer state (``model_state``, its global shapes: what a full
+    save gathers; ``optimizer_state_bytes``), less what the checkpoints on disk and the files kept
+    for recycling hold already (``CheckpointStore.reserve``: written on a fresh start, so that the
+    saves before the first prune write over allocated blocks as later ones do; allocated without
+    writing on a restart). The trail says how much and how long (``checkpoint_room_reserved``). An
+    exit signal stops the writing where it is: the run leaves at RESTORE's end, and EXIT deletes
+    what was written (``complete=False``)."""
     started = time.perf_counter()
     sizes = {"model": tensor_bytes(model_state), "training_state": optimizer_state_bytes(trainer)}
     try:
-        written = store.reserve(sizes, copies, stop=lambda: trainer.exit_pending)
+        reserved = store.reserve(sizes, copies, stop=lambda: trainer.exit_pending)
     except OSError as error:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise CheckpointError(
-            f"{store.root} has no room for this run's checkpoints: writing the room of its first {copies} "
-            f"saves ({copies * sum(sizes.values()) / 1e6:.0f} MB, what its checkpoints take at once) in RESTORE "
-            f"failed ({error}). Free space there, or give CheckpointingHook(path=...) a directory on a disk "
-            f"with that much room (keep_previous=0 needs the least: two checkpoints, as a save writes the "
-            f"new one beside the last)."
+            f"{store.root} has no room for this run's checkpoints: reserving, in RESTORE, the room of the "
+            f"{copies} checkpoints it holds at once ({copies * sum(sizes.values()) / 1e6:.0f} MB, the checkpoints "
+            f"and kept files already there counted) failed ({error}). Free space there, or give "
+            f"CheckpointingHook(path=...) a directory on a disk with that much room (keep_previous=0 needs the "
+            f"least: two checkpoints, as a save writes the new one beside the last)."
         ) from error
-    if written.bytes or not written.complete:
-        seconds, complete = round(time.perf_counter() - started, 6), written.complete
-        trainer.events.debug("checkpoint_room_reserved", bytes=written.bytes, seconds=seconds, complete=complete)
+    if reserved.bytes or reserved.allocated or not reserved.complete:
+        trainer.events.debug(
+            "checkpoint_room_reserved",
+            bytes=reserved.bytes,
+            allocated=reserved.allocated,
+            seconds=round(time.perf_counter() - started, 6),
+            complete=reserved.complete,
+        )
 
 
 def optimizer_state_bytes(trainer: BaseTrainer) -> int:

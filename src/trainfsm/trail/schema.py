@@ -59,7 +59,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "checkpoint_pruned": ("paths",),
     "checkpoint_tmp_removed": ("names",),
     "checkpoint_store_ready": ("seconds", "direct_io", "chosen_by", "rates"),
-    "checkpoint_room_reserved": ("bytes", "seconds", "complete"),
+    "checkpoint_room_reserved": ("bytes", "allocated", "seconds", "complete"),
     "checkpoint_failed": ("type", "message"),
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
     "signal_agreed": ("signal", "agreed_step", "reason", "step_ended_at"),
@@ -208,11 +208,13 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "way to write), so that the first save does none of it (DEBUG)",
     ),
     "checkpoint_room_reserved": (
-        "`bytes`, `seconds`, `complete` (false: an exit signal stopped it, and the run leaves at RESTORE's end)",
-        "RESTORE wrote files as large as a save's model and optimizer state, one set per save before the "
-        "first prune (keep_previous + 2), which those saves write over (as later saves write over pruned "
-        "checkpoints' files), so that they find their room allocated; a disk without room for the run's "
-        "checkpoints fails here (DEBUG)",
+        "`bytes` (written), `allocated` (allocated without writing), `seconds`, `complete` (false: an exit "
+        "signal stopped it, and the run leaves at RESTORE's end)",
+        "RESTORE took the room of the checkpoints the run holds at once (keep_previous + 2 sets of files as "
+        "large as a save's model and optimizer state), less what the checkpoints on disk and the files kept "
+        "for recycling hold: written on a fresh start, so that the first saves write over allocated blocks as "
+        "later saves write over pruned checkpoints' files; allocated without writing on a restart; a disk "
+        "without room for the run's checkpoints fails here (DEBUG)",
     ),
     "checkpoint_failed": (
         "`type`, `message`",
