@@ -291,6 +291,17 @@ def test_a_checkpoint_moved_aside_by_an_interrupted_resave_is_restored(tmp_path:
     CheckpointStore.verify(root / "4")
 
 
+def test_a_save_killed_between_its_manifest_and_its_rename_is_put_in_place(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    root = tmp_path / "checkpoints"
+    (root / "8").rename(root / ".tmp-8-cafebabe")  # complete, only its rename (and latest's move) missing
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("4")
+    _resume(tmp_path)
+    assert events(tmp_path, "checkpoint_tmp_completed")[0]["names"] == ["8"]
+    assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 8
+
+
 def test_pruning_never_removes_newest_or_kept(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     for step, keep in [(1, True), (2, False), (3, False), (4, False)]:

@@ -118,6 +118,26 @@ def verify(path: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
     return manifest  # type: ignore[no-any-return]
 
 
+def written_whole(path: Path, step: int) -> dict[str, Any] | None:
+    """The manifest of directory ``path`` where it describes ``step`` and every file it lists is
+    there at its size, else None: a save's temporary directory that lacks only its rename.
+
+    Sizes, not checksums: a save writes the manifest after every file is durable, so a manifest
+    that parses stands for complete files; reading every byte of a large checkpoint to promote it
+    would hold RESTORE for minutes, and loading verifies the checksums anyway.
+    """
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if manifest["step"] != step or manifest.get("format") not in READS:
+            return None
+        for name, entry in manifest["files"].items():
+            if (path / name).stat().st_size != entry["bytes"]:
+                return None
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        return None
+    return manifest  # type: ignore[no-any-return]
+
+
 def load(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
     """Verify (unless given the ``manifest`` ``verify`` returned), then load every ``.pt`` file
     with ``weights_only=True``: file stem -> object. Of a sharded checkpoint, that is

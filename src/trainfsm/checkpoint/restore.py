@@ -37,12 +37,18 @@ if TYPE_CHECKING:
 
 
 def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool | str, checksum: str) -> CheckpointStore:
-    """The store under ``root``; rank 0 (which writes) removes interrupted saves' leftovers and
-    prepares the writer now, not in the first save's step: its threads and buffers, the serializer's
-    imports, and the way it writes (measured on this disk, or forced), which the trail records."""
+    """The store under ``root``; rank 0 (which writes) puts interrupted saves' complete checkpoints
+    in place, removes their other leftovers, and prepares the writer now, not in the first save's
+    step: its threads and buffers, the serializer's imports, and the way it writes (measured on
+    this disk, or forced), which the trail records."""
     store = CheckpointStore(root, direct_io=direct_io, checksum=checksum)
     log = trainer.events
     if trainer.rank == 0:
+        # A save killed once its checkpoint was complete is finished, not thrown away: of a step
+        # saved again, the new copy is the one the run meant to keep.
+        completed = store.complete_interrupted()
+        if completed:
+            log.warning("checkpoint_tmp_completed", names=completed)
         removed = store.remove_leftovers()
         if removed:
             log.warning("checkpoint_tmp_removed", names=removed)

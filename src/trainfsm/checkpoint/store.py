@@ -73,6 +73,7 @@ from trainfsm.checkpoint.manifest import (
     CheckpointError,
     encode_manifest,
     parse_step,
+    written_whole,
 )
 from trainfsm.checkpoint.manifest import load as load_checkpoint
 from trainfsm.checkpoint.manifest import verify as verify_checkpoint
@@ -395,13 +396,7 @@ class CheckpointStore:
             # A file moved out of it: until this directory is synced too, a crash may undo that move,
             # leaving the new checkpoint without the file once the previous one is pruned.
             fsync_dir(self.root / RECYCLE)
-        for existing in (target, other):  # the same step saved again (a resumed run): replace our own
-            if existing.exists():
-                trash = self.root / f"{TMP_PREFIX}old-{existing.name}-{uuid.uuid4().hex[:8]}"
-                existing.rename(trash)
-                shutil.rmtree(trash, ignore_errors=True)
-        tmp.rename(target)
-        fsync_dir(self.root)
+        self._put_in_place(tmp, name)
         self.point(LATEST, name)
         with self._due_lock:
             due = [pointer for pointer, first in self._due.items() if first <= step]
@@ -411,6 +406,31 @@ class CheckpointStore:
             self.point(pointer, name)
         self.wrote_directly = direct
         return Checkpoint(step, target, keep), total + len(manifest_bytes), checksum
+
+    def _put_in_place(self, tmp: Path, name: str) -> None:
+        """Rename the complete checkpoint ``tmp`` to ``name``, durably, over our copy of its step if
+        there is one (the same step saved again: a run resumed from an older checkpoint reached it).
+
+        There is never a moment without a complete copy of the step: the old copy is renamed aside
+        (``.tmp-old-<name>-<nonce>``), the new one in, the root fsynced (both renames durable), and
+        only then is the old one deleted. A kill in between leaves both complete, the new one in
+        place or not yet, and ``complete_interrupted`` keeps the new one. Not
+        ``renameat2(RENAME_EXCHANGE)``, which would swap the two in one step: NFS, Lustre and GPFS,
+        where clusters keep checkpoints, refuse it, so the rename-aside order is needed anyway, and
+        one order is one to test (``tests/test_durability.py`` builds its crash states); a swap
+        would also leave the old copy under a new one's temporary name.
+        """
+        step = name.removesuffix(KEEP_SUFFIX)
+        aside = []
+        for existing in (self.root / step, self.root / f"{step}{KEEP_SUFFIX}"):
+            if existing.exists():
+                moved = self.root / f"{TMP_PREFIX}old-{existing.name}-{uuid.uuid4().hex[:8]}"
+                existing.rename(moved)
+                aside.append(moved)
+        tmp.rename(self.root / name)
+        fsync_dir(self.root)  # the new copy is in for good before the old one goes
+        for moved in aside:
+            shutil.rmtree(moved, ignore_errors=True)
 
     def point(self, pointer: str, name: str) -> None:
         """Make ``pointer`` (``latest``, ``best``, ...) name checkpoint directory ``name``, atomically:
@@ -437,22 +457,51 @@ class CheckpointStore:
         with self._due_lock:
             self._due[pointer] = step
 
-    def remove_leftovers(self) -> list[str]:
-        """Delete temporary directories of interrupted saves; returns their names.
+    def complete_interrupted(self) -> list[str]:
+        """Finish what a kill interrupted once a checkpoint was complete; returns the names put in place.
 
-        A ``.tmp-old-<name>-*`` directory is a complete checkpoint that a re-save of the same step
-        moved aside; if the save died before its replacement arrived, it is moved back instead.
+        A save's temporary directory (``.tmp-<step>-<nonce>``) whose manifest lists its files at
+        their sizes (``written_whole``) lacked only its rename: it is put in place, over an older
+        copy of its step (``_put_in_place``: the new copy wins, as the save meant it to). A
+        ``.tmp-old-<name>-<nonce>`` directory is the old copy a re-save moved aside: it goes back
+        only where no copy of its step is left, else ``remove_leftovers`` deletes it.
         """
         if not self.root.is_dir():
             return []
+        whole: dict[str, tuple[float, Path]] = {}  # name -> (when written, temporary directory)
+        asides = []
+        for entry in sorted(self.root.iterdir()):
+            kind = entry.name[len(TMP_PREFIX) :].rsplit("-", 1)[0]
+            if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir() or entry.is_symlink():
+                continue
+            if kind.startswith("old-"):
+                asides.append((entry, kind[len("old-") :]))
+            elif kind.isdigit() and (manifest := written_whole(entry, int(kind))) is not None:
+                name = f"{kind}{KEEP_SUFFIX}" if manifest.get("kept") else kind
+                in_the_way = [self.root / kind, self.root / f"{kind}{KEEP_SUFFIX}"]
+                if all(_ours(p) or not (p.exists() or p.is_symlink()) for p in in_the_way):
+                    whole[name] = max(whole.get(name, (-1.0, entry)), (float(manifest.get("created", 0)), entry))
+        done = []
+        for name, (_, tmp) in sorted(whole.items()):
+            self._put_in_place(tmp, name)
+            done.append(name)
+        for entry, name in asides:
+            parsed = parse_step(name)
+            copies = [] if parsed is None else [self.root / str(parsed[0]), self.root / f"{parsed[0]}{KEEP_SUFFIX}"]
+            if copies and not any(p.exists() for p in copies) and (entry / MANIFEST).is_file():
+                entry.rename(self.root / name)
+                fsync_dir(self.root)
+                done.append(name)
+        return done
+
+    def remove_leftovers(self) -> list[str]:
+        """Delete what interrupted saves and prunes left (``.tmp-*``), once ``complete_interrupted``
+        put every complete checkpoint among it in place; returns the names deleted."""
+        if not self.root.is_dir():
+            return []
+        self.complete_interrupted()
         removed = []
         for entry in sorted(self.root.iterdir()):
-            if entry.name.startswith(f"{TMP_PREFIX}old-") and entry.is_dir():
-                name = entry.name[len(f"{TMP_PREFIX}old-") :].rsplit("-", 1)[0]
-                if not (self.root / name / MANIFEST).is_file() and (entry / MANIFEST).is_file():
-                    entry.rename(self.root / name)
-                    fsync_dir(self.root)
-                    continue
             if entry.name.startswith(TMP_PREFIX):
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry, ignore_errors=True)
