@@ -451,6 +451,44 @@ def test_a_newer_complete_checkpoint_wins_over_a_stale_latest(tmp_path: Path) ->
     assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 8
 
 
+def _roll_back(tmp_path: Path, **hook_kwargs: Any) -> None:
+    """A run saves steps 2, 4, 6 and 8; a second one resumes from 4 (``load="4"``) and saves step 7."""
+    run(tmp_path, 8, interval=2, keep_previous=3, **hook_kwargs)
+    hook = CheckpointingHook(interval=4, keep_previous=3, load="4", **hook_kwargs)
+    Trainer(hook, max_steps=7, workspace=tmp_path).train()
+
+
+def test_after_a_rollback_latest_resumes_the_rolled_back_run_not_the_abandoned_newer_step(tmp_path: Path) -> None:
+    _roll_back(tmp_path, keep_steps=[8])  # kept: still on disk after the rollback's prune
+    assert (tmp_path / "checkpoints" / "8_keep").is_dir()
+    _resume(tmp_path)
+    assert [e["from_step"] for e in events(tmp_path, "checkpoint_loaded")] == [4, 7]
+
+
+def test_a_rollback_killed_before_latest_moved_still_resumes_the_rolled_back_run(tmp_path: Path) -> None:
+    _roll_back(tmp_path, keep_steps=[8])
+    root = tmp_path / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("8_keep")  # the save of 7 died after its rename, before latest moved
+    _resume(tmp_path)
+    assert events(tmp_path, "checkpoint_loaded")[-1]["from_step"] == 7
+
+
+def test_a_rollbacks_save_prunes_the_abandoned_run_past_its_start_first(tmp_path: Path) -> None:
+    _roll_back(tmp_path)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["2", "4", "7", "latest"]  # keep_previous=3: 2, 4 and 7
+    assert events(tmp_path, "checkpoint_pruned")[-1]["paths"] == [str(root / "6"), str(root / "8")]
+
+
+def test_a_fresh_start_abandons_the_checkpoints_already_there_at_its_first_save(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    Trainer(CheckpointingHook(interval=2, keep_previous=1, load=None), max_steps=2, workspace=tmp_path).train()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "latest"]
+    _resume(tmp_path, steps=2)
+    assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 2
+
+
 def test_a_step_named_directory_of_junk_is_reported_once_not_tried(tmp_path: Path) -> None:
     run(tmp_path, 4)
     junk = tmp_path / "checkpoints" / "100"

@@ -170,7 +170,8 @@ def restore(
 
 def _warn_if_older(trainer: BaseTrainer, store: CheckpointStore, path: Path, load: Path | str) -> None:
     """A named checkpoint (``load="best"``, a path) loaded while the store holds a newer complete one:
-    left in a script that is requeued, every preemption would train the steps since it again."""
+    left in a script that is requeued, every preemption would train the steps since it again. The
+    run's first save abandons the newer ones (``trainfsm.checkpoint.lineage``)."""
     newer = [c for c in store.candidates() if c.step > trainer.step]
     if not newer:
         return
@@ -185,8 +186,9 @@ def _warn_if_older(trainer: BaseTrainer, store: CheckpointStore, path: Path, loa
     notice(
         trainer.logger,
         f"load={str(load)!r} resumed from step {trainer.step}, but {newest.path} (step {newest.step}) is newer: "
-        f"the {newest.step - trainer.step} steps since are trained again. A script that is requeued after a "
-        f'preemption should resume with load="latest".',
+        f"the {newest.step - trainer.step} steps since are trained again. Once this run saves, the newer "
+        'checkpoints are abandoned: load="latest" resumes from this run\'s, and pruning deletes the newer ones '
+        f'not kept. A script that is requeued after a preemption should resume with load="latest".',
     )
 
 

@@ -138,6 +138,9 @@ class CheckpointingHook(BaseHook):
                 self._step_in_store = trainer.step
         else:  # a fresh start asked for: the data ledger does not count it as lost work
             trainer.events.info("checkpoint_not_loaded", reason="load=None")
+        # Where this run's timeline starts: the checkpoints written before past this step are
+        # abandoned once it saves (load="latest" no longer resumes from them; pruning deletes them).
+        store.resumed_from(trainer.step)
         refuse_foreign_ahead(trainer, store)
         if trainer.rank == 0 and not self.saves_sharded:
             reserve_room(trainer, store, current, copies=self.keep_previous + 2)
