@@ -481,12 +481,23 @@ def test_a_rollbacks_save_prunes_the_abandoned_run_past_its_start_first(tmp_path
     assert events(tmp_path, "checkpoint_pruned")[-1]["paths"] == [str(root / "6"), str(root / "8")]
 
 
-def test_a_fresh_start_abandons_the_checkpoints_already_there_at_its_first_save(tmp_path: Path) -> None:
+def test_a_fresh_start_abandons_the_checkpoints_already_there_at_its_first_save(tmp_path: Path, capsys: Any) -> None:
     run(tmp_path, 8, keep_previous=1)
     Trainer(CheckpointingHook(interval=2, keep_previous=1, load=None), max_steps=2, workspace=tmp_path).train()
+    assert "holds checkpoints up to step 8: once this run saves, they are abandoned" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "latest"]
     _resume(tmp_path, steps=2)
     assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 2
+
+
+def test_a_newer_checkpoint_that_failed_to_read_once_is_not_abandoned(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    model = tmp_path / "checkpoints" / "8" / "model.pt"
+    model.rename(model.with_suffix(".away"))  # a read that fails at this start only (a flaky file system)
+    Trainer(CheckpointingHook(interval=4, keep_previous=1), max_steps=6, workspace=tmp_path).train()
+    model.with_suffix(".away").rename(model)
+    _resume(tmp_path)
+    assert [e["from_step"] for e in events(tmp_path, "checkpoint_loaded")] == [4, 8]
 
 
 def test_a_step_named_directory_of_junk_is_reported_once_not_tried(tmp_path: Path) -> None:

@@ -4,18 +4,21 @@ Steps alone cannot tell apart two cases that ``load="latest"`` must treat opposi
 
 - a save killed after its rename but before ``latest`` moved leaves a checkpoint newer than
   ``latest``'s target: the newest of the run's timeline, to be resumed from;
-- a run resumed from an older checkpoint (``load=`` one, or a corrupt newer one skipped) that saved
-  leaves the newer checkpoints of the run it rolled back: a timeline nobody continues, and resuming
-  from one would throw the rollback's steps away.
+- a run told to start from an older checkpoint (``load=`` one, or ``load=None``) that saved leaves
+  the newer checkpoints of the run it rolled back: a timeline nobody continues, and resuming from
+  one would throw the rollback's steps away.
 
 So every manifest records two things (``SEQUENCE``, ``RESUMED``): its save's place in the store's
 order of writing (one more than the highest there when it was written), and where the run that
-wrote it started: the step it resumed from, and the highest sequence on disk then. A run that
-resumes from step ``r`` declares every checkpoint written before it past step ``r`` not its past,
+wrote it started: the step it started from, and the highest sequence on disk then. A run that
+starts from step ``r`` declares every checkpoint written before it past step ``r`` not its past,
 so a checkpoint is **abandoned** when some manifest on disk says ``resumed`` at a step below its
-own, after it was written. A run resumed from the newest checkpoint abandons nothing, and neither
-does a save that ``latest`` has not reached yet (it was written after every run's start). A run
-started fresh (``load=None``) resumes from step 0: it abandons every earlier checkpoint.
+own, after it was written. A save that died before ``latest`` moved is abandoned by no run that
+started before it (it was written after their starts), only by a later run told to start earlier.
+Which step a run starts from is the hook's to say
+(``trainfsm.checkpoint.restore.start_timeline``): the loaded checkpoint's for ``load=`` a name or
+a path, 0 for ``load=None``, and for ``load="latest"`` the newest step it could have loaded, so
+that a checkpoint skipped because a read failed once is not abandoned for it.
 
 ``CheckpointStore.candidates`` never offers an abandoned checkpoint to ``load="latest"``, and
 ``prune`` deletes them first (a kept one, or one a pointer names, stays and loads by name). The

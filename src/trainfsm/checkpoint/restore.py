@@ -192,6 +192,31 @@ def _warn_if_older(trainer: BaseTrainer, store: CheckpointStore, path: Path, loa
     )
 
 
+def start_timeline(trainer: BaseTrainer, store: CheckpointStore, load: Path | str | None) -> None:
+    """Rank 0 (which writes the manifests): tell the store the step this run's timeline starts
+    from, which its saves record; once it saves, the checkpoints written before past that step are
+    abandoned (``trainfsm.checkpoint.lineage``). A run told where to start (``load=`` a name or a
+    path, or None: step 0) abandons the newer ones; ``load="latest"`` none, not even a newer one it
+    skipped as corrupt: a read that failed once (a flaky file system) may not fail at the next start,
+    and must not cost the checkpoint."""
+    if trainer.rank != 0:
+        return
+    start = trainer.step
+    if load == "latest":
+        newest = next(store.candidates(), None)
+        start = max(start, newest.step if newest is not None else 0)
+    elif load is None:
+        newer = [c for c in store.candidates() if c.ours]
+        if newer:
+            notice(
+                trainer.logger,
+                f"load=None starts from step 0, but {store.root} holds checkpoints up to step {newer[0].step}: once "
+                f'this run saves, they are abandoned (load="latest" no longer resumes from them, and pruning '
+                f'deletes those not kept). To resume from them, use load="latest".',
+            )
+    store.resumed_from(start)
+
+
 def refuse_foreign_ahead(trainer: BaseTrainer, store: CheckpointStore) -> None:
     """Raise on every rank when a directory trainfsm did not write has a step this run may still
     save (after the step it starts from, up to ``max_steps``): a save never replaces it, so the run
