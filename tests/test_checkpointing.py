@@ -302,6 +302,24 @@ def test_a_save_killed_between_its_manifest_and_its_rename_is_put_in_place(tmp_p
     assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 8
 
 
+def test_a_resave_whose_rename_fails_puts_the_old_copy_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(5, {"model": {"w": torch.zeros(1)}}, keep=False)
+    rename = Path.rename
+
+    def failing(self: Path, target: Any) -> Path:
+        if self.name.startswith(".tmp-5-"):
+            raise OSError(5, "Input/output error")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        store.save(5, {"model": {"w": torch.ones(1)}}, keep=False)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["5", "latest"]
+    assert torch.equal(CheckpointStore.load(tmp_path / "5")["model"]["w"], torch.zeros(1))
+
+
 def test_pruning_never_removes_newest_or_kept(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     for step, keep in [(1, True), (2, False), (3, False), (4, False)]:

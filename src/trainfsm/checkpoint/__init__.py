@@ -4,6 +4,7 @@
   last, rename, ``latest``), listed, verified and pruned;
 - ``manifest``: what a complete checkpoint holds and the checks made before a byte is unpickled;
 - ``lineage``: the order checkpoints were written in, and which ones a rollback abandoned;
+- ``replace``: a step saved again over its old copy, and the copies a kill left on the way;
 - ``io``: how bytes reach the disk fast (staging buffers, ``O_DIRECT``, checksums on the way);
 - ``sharded``: DCP for model and optimizer states split over ranks;
 - ``trainloop``: checkpoints that trainloop wrote, read as they are;

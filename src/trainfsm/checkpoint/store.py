@@ -13,9 +13,8 @@ Why each step of a save is there (a crash may happen between any two of them):
    sees a half-written file under a step's name.
 2. ``manifest.json`` is written last, so a directory without a manifest is never complete.
 3. The directory is fsynced, renamed into place, and the parent fsynced: after that, the rename
-   survives a power cut. A step saved again keeps a complete copy throughout (``_put_in_place``),
-   and RESTORE puts a complete temporary directory in place rather than delete it
-   (``complete_interrupted``).
+   survives a power cut. A step saved again keeps a complete copy throughout, and RESTORE puts a
+   complete temporary directory in place rather than delete it (``trainfsm.checkpoint.replace``).
 4. Only then does ``latest`` move (a new link renamed over the old one), with any pointer that
    waits for this save (``point_when_saved``), and only then are old checkpoints pruned, so there
    is always a complete newest checkpoint on disk and a pointer never names a deleted one.
@@ -77,10 +76,10 @@ from trainfsm.checkpoint.manifest import (
     CheckpointError,
     encode_manifest,
     parse_step,
-    written_whole,
 )
 from trainfsm.checkpoint.manifest import load as load_checkpoint
 from trainfsm.checkpoint.manifest import verify as verify_checkpoint
+from trainfsm.checkpoint.replace import complete_interrupted, put_in_place
 from trainfsm.checkpoint.trainloop import is_trainloop
 from trainfsm.checkpoint.writemode import Choice, WriteMode
 
@@ -411,7 +410,7 @@ class CheckpointStore:
             # A file moved out of it: until this directory is synced too, a crash may undo that move,
             # leaving the new checkpoint without the file once the previous one is pruned.
             fsync_dir(self.root / RECYCLE)
-        self._put_in_place(tmp, name)
+        put_in_place(self.root, tmp, name)  # over our copy of the step, if saved again
         self.point(LATEST, name)
         with self._due_lock:
             due = [pointer for pointer, first in self._due.items() if first <= step]
@@ -428,31 +427,6 @@ class CheckpointStore:
         (``trainfsm.checkpoint.lineage``). Before its first save; without it, that save's step less
         one stands for it."""
         self._resumed_step = step
-
-    def _put_in_place(self, tmp: Path, name: str) -> None:
-        """Rename the complete checkpoint ``tmp`` to ``name``, durably, over our copy of its step if
-        there is one (the same step saved again: a run resumed from an older checkpoint reached it).
-
-        There is never a moment without a complete copy of the step: the old copy is renamed aside
-        (``.tmp-old-<name>-<nonce>``), the new one in, the root fsynced (both renames durable), and
-        only then is the old one deleted. A kill in between leaves both complete, the new one in
-        place or not yet, and ``complete_interrupted`` keeps the new one. Not
-        ``renameat2(RENAME_EXCHANGE)``, which would swap the two in one step: NFS, Lustre and GPFS,
-        where clusters keep checkpoints, refuse it, so the rename-aside order is needed anyway, and
-        one order is one to test (``tests/test_durability.py`` builds its crash states); a swap
-        would also leave the old copy under a new one's temporary name.
-        """
-        step = name.removesuffix(KEEP_SUFFIX)
-        aside = []
-        for existing in (self.root / step, self.root / f"{step}{KEEP_SUFFIX}"):
-            if existing.exists():
-                moved = self.root / f"{TMP_PREFIX}old-{existing.name}-{uuid.uuid4().hex[:8]}"
-                existing.rename(moved)
-                aside.append(moved)
-        tmp.rename(self.root / name)
-        fsync_dir(self.root)  # the new copy is in for good before the old one goes
-        for moved in aside:
-            shutil.rmtree(moved, ignore_errors=True)
 
     def point(self, pointer: str, name: str) -> None:
         """Make ``pointer`` (``latest``, ``best``, ...) name checkpoint directory ``name``, atomically:
@@ -480,41 +454,10 @@ class CheckpointStore:
             self._due[pointer] = step
 
     def complete_interrupted(self) -> list[str]:
-        """Finish what a kill interrupted once a checkpoint was complete; returns the names put in place.
-
-        A save's temporary directory (``.tmp-<step>-<nonce>``) whose manifest lists its files at
-        their sizes (``written_whole``) lacked only its rename: it is put in place, over an older
-        copy of its step (``_put_in_place``: the new copy wins, as the save meant it to). A
-        ``.tmp-old-<name>-<nonce>`` directory is the old copy a re-save moved aside: it goes back
-        only where no copy of its step is left, else ``remove_leftovers`` deletes it.
-        """
-        if not self.root.is_dir():
-            return []
-        whole: dict[str, tuple[float, Path]] = {}  # name -> (when written, temporary directory)
-        asides = []
-        for entry in sorted(self.root.iterdir()):
-            kind = entry.name[len(TMP_PREFIX) :].rsplit("-", 1)[0]
-            if not entry.name.startswith(TMP_PREFIX) or not entry.is_dir() or entry.is_symlink():
-                continue
-            if kind.startswith("old-"):
-                asides.append((entry, kind[len("old-") :]))
-            elif kind.isdigit() and (manifest := written_whole(entry, int(kind))) is not None:
-                name = f"{kind}{KEEP_SUFFIX}" if manifest.get("kept") else kind
-                in_the_way = [self.root / kind, self.root / f"{kind}{KEEP_SUFFIX}"]
-                if all(_ours(p) or not (p.exists() or p.is_symlink()) for p in in_the_way):
-                    whole[name] = max(whole.get(name, (-1.0, entry)), (float(manifest.get("created", 0)), entry))
-        done = []
-        for name, (_, tmp) in sorted(whole.items()):
-            self._put_in_place(tmp, name)
-            done.append(name)
-        for entry, name in asides:
-            parsed = parse_step(name)
-            copies = [] if parsed is None else [self.root / str(parsed[0]), self.root / f"{parsed[0]}{KEEP_SUFFIX}"]
-            if copies and not any(p.exists() for p in copies) and (entry / MANIFEST).is_file():
-                entry.rename(self.root / name)
-                fsync_dir(self.root)
-                done.append(name)
-        return done
+        """Put the complete checkpoints that killed saves left in temporary directories in place
+        (the new copy of a re-saved step over the old); the names put in place
+        (``trainfsm.checkpoint.replace``)."""
+        return complete_interrupted(self.root)
 
     def remove_leftovers(self) -> list[str]:
         """Delete what interrupted saves and prunes left (``.tmp-*``), once ``complete_interrupted``
