@@ -7,6 +7,9 @@ POSIX allows. On each, ``load="latest"`` (newest complete checkpoint first, skip
 fails verification) must give step 1 or the complete step 2, byte for byte, never an error and
 never nothing. The second half of the module removes each fsync of the protocol from the recorded
 trace (as if the code did not make it) and shows that the check then finds a state that loses both.
+The last part records a step saved again (a run resumed from step 4 saves step 5 over the old one):
+after a kill or a power cut at any point, RESTORE's clean-up leaves a complete step 5, the new one
+wherever it was complete before the kill.
 """
 
 from __future__ import annotations
@@ -296,7 +299,7 @@ def test_a_resave_killed_at_any_point_of_its_replacement_resumes_from_the_new_st
     loaded = {}
     for k in _replacement(trace):
         workspace = tmp_path / f"killed{k}"
-        crashfs.materialize(*crashfs._replay(trace, trace.ops[:k], set(), {}), workspace / "checkpoints")
+        crashfs.materialize(*crashfs.killed_after(trace, k), workspace / "checkpoints")
         Trainer(CheckpointingHook(interval=1, keep_previous=1), max_steps=5, workspace=workspace).train()
         (event,) = events(workspace, "checkpoint_loaded")
         loaded[k] = (event["from_step"], event["checksum"] == checksums["new"])
