@@ -317,6 +317,12 @@ def crash_states(trace: Trace) -> Iterator[tuple[str, dict[str, tuple[Any, ...]]
                 yield f"crash after op {k}, op {i} half written", *_replay(trace, ops[:k], set(), {i: 0.5})
 
 
+def killed_after(trace: Trace, k: int) -> tuple[dict[str, tuple[Any, ...]], dict[int, bytes]]:
+    """(tree, file data) that a SIGKILL after the ``k``-th operation leaves: all ``k`` applied, as
+    the page cache outlives the process (a power cut's states are ``crash_states``)."""
+    return _replay(trace, trace.ops[:k], set(), {})
+
+
 def _replay(
     trace: Trace, ops: list[Op], lost: set[int], partial: dict[int, float]
 ) -> tuple[dict[str, tuple[Any, ...]], dict[int, bytes]]:

@@ -291,6 +291,35 @@ def test_a_checkpoint_moved_aside_by_an_interrupted_resave_is_restored(tmp_path:
     CheckpointStore.verify(root / "4")
 
 
+def test_a_save_killed_between_its_manifest_and_its_rename_is_put_in_place(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    root = tmp_path / "checkpoints"
+    (root / "8").rename(root / ".tmp-8-cafebabe")  # complete, only its rename (and latest's move) missing
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("4")
+    _resume(tmp_path)
+    assert events(tmp_path, "checkpoint_tmp_completed")[0]["names"] == ["8"]
+    assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 8
+
+
+def test_a_resave_whose_rename_fails_puts_the_old_copy_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(5, {"model": {"w": torch.zeros(1)}}, keep=False)
+    rename = Path.rename
+
+    def failing(self: Path, target: Any) -> Path:
+        if self.name.startswith(".tmp-5-"):
+            raise OSError(5, "Input/output error")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        store.save(5, {"model": {"w": torch.ones(1)}}, keep=False)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["5", "latest"]
+    assert torch.equal(CheckpointStore.load(tmp_path / "5")["model"]["w"], torch.zeros(1))
+
+
 def test_pruning_never_removes_newest_or_kept(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     for step, keep in [(1, True), (2, False), (3, False), (4, False)]:
@@ -438,6 +467,55 @@ def test_a_newer_complete_checkpoint_wins_over_a_stale_latest(tmp_path: Path) ->
     (root / "latest").symlink_to("4")  # the save of 8 died after its rename, before latest moved
     _resume(tmp_path)
     assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 8
+
+
+def _roll_back(tmp_path: Path, **hook_kwargs: Any) -> None:
+    """A run saves steps 2, 4, 6 and 8; a second one resumes from 4 (``load="4"``) and saves step 7."""
+    run(tmp_path, 8, interval=2, keep_previous=3, **hook_kwargs)
+    hook = CheckpointingHook(interval=4, keep_previous=3, load="4", **hook_kwargs)
+    Trainer(hook, max_steps=7, workspace=tmp_path).train()
+
+
+def test_after_a_rollback_latest_resumes_the_rolled_back_run_not_the_abandoned_newer_step(tmp_path: Path) -> None:
+    _roll_back(tmp_path, keep_steps=[8])  # kept: still on disk after the rollback's prune
+    assert (tmp_path / "checkpoints" / "8_keep").is_dir()
+    _resume(tmp_path)
+    assert [e["from_step"] for e in events(tmp_path, "checkpoint_loaded")] == [4, 7]
+
+
+def test_a_rollback_killed_before_latest_moved_still_resumes_the_rolled_back_run(tmp_path: Path) -> None:
+    _roll_back(tmp_path, keep_steps=[8])
+    root = tmp_path / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").symlink_to("8_keep")  # the save of 7 died after its rename, before latest moved
+    _resume(tmp_path)
+    assert events(tmp_path, "checkpoint_loaded")[-1]["from_step"] == 7
+
+
+def test_a_rollbacks_save_prunes_the_abandoned_run_past_its_start_first(tmp_path: Path) -> None:
+    _roll_back(tmp_path)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["2", "4", "7", "latest"]  # keep_previous=3: 2, 4 and 7
+    assert events(tmp_path, "checkpoint_pruned")[-1]["paths"] == [str(root / "6"), str(root / "8")]
+
+
+def test_a_fresh_start_abandons_the_checkpoints_already_there_at_its_first_save(tmp_path: Path, capsys: Any) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    Trainer(CheckpointingHook(interval=2, keep_previous=1, load=None), max_steps=2, workspace=tmp_path).train()
+    assert "holds checkpoints up to step 8: once this run saves, they are abandoned" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "latest"]
+    _resume(tmp_path, steps=2)
+    assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 2
+
+
+def test_a_newer_checkpoint_that_failed_to_read_once_is_not_abandoned(tmp_path: Path) -> None:
+    run(tmp_path, 8, keep_previous=1)
+    model = tmp_path / "checkpoints" / "8" / "model.pt"
+    model.rename(model.with_suffix(".away"))  # a read that fails at this start only (a flaky file system)
+    Trainer(CheckpointingHook(interval=4, keep_previous=1), max_steps=6, workspace=tmp_path).train()
+    model.with_suffix(".away").rename(model)
+    _resume(tmp_path)
+    assert [e["from_step"] for e in events(tmp_path, "checkpoint_loaded")] == [4, 8]
 
 
 def test_a_step_named_directory_of_junk_is_reported_once_not_tried(tmp_path: Path) -> None:

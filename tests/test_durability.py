@@ -7,6 +7,9 @@ POSIX allows. On each, ``load="latest"`` (newest complete checkpoint first, skip
 fails verification) must give step 1 or the complete step 2, byte for byte, never an error and
 never nothing. The second half of the module removes each fsync of the protocol from the recorded
 trace (as if the code did not make it) and shows that the check then finds a state that loses both.
+The last part records a step saved again (a run resumed from step 4 saves step 5 over the old one):
+after a kill or a power cut at any point, RESTORE's clean-up leaves a complete step 5, the new one
+wherever it was complete before the kill.
 """
 
 from __future__ import annotations
@@ -253,3 +256,74 @@ def test_without_a_fsync_of_the_sharded_protocol_a_crash_state_loses_both(
     assert dropped, f"the save made no fsync of {which}"
     _, bad = failures(_without(trace, lambda index, op: index in dropped), tmp_path, sharded_save_problem, limit=1)
     assert bad, f"no crash state loses both checkpoints without the fsync of {which}"
+
+
+# ---------------------------------------------------------------- a step saved again
+@pytest.fixture(scope="module")
+def resave_trace(tmp_path_factory: pytest.TempPathFactory) -> tuple[crashfs.Trace, dict[str, str]]:
+    """A run resumed from step 4 (``load="4"``) that saves step 5 again, over the step 5 of the run
+    it rolled back (``keep_previous=1``: steps 4 and 5 on disk), as recorded; and the manifest
+    checksums of the two step-5 saves, ``"old"`` and ``"new"``."""
+    from tests.test_checkpointing import events, run
+
+    workspace = tmp_path_factory.mktemp("resave")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(writemode, "RECHECK_SECONDS", float("inf"))  # no re-check's probe inside the save
+        run(workspace, 5, interval=1, keep_previous=1)
+        trace = crashfs.record(
+            workspace / "checkpoints", lambda: run(workspace, 5, interval=1, keep_previous=1, load="4")
+        )
+    old, new = (e["checksum"] for e in events(workspace, "checkpoint_saved") if e["saved_step"] == 5)
+    return trace, {"old": old, "new": new}
+
+
+def _replacement(trace: crashfs.Trace) -> range:
+    """The kill points of the re-save from the new copy's completion on: after each operation from
+    the new manifest's fsync to the end of the run (its prune and EXIT included)."""
+    manifest_synced = max(i for i, op in enumerate(trace.ops) if op[0] == "fsync_file")
+    return range(manifest_synced + 1, len(trace.ops) + 1)
+
+
+def test_a_resave_killed_at_any_point_of_its_replacement_resumes_from_the_new_step(
+    resave_trace: tuple[crashfs.Trace, dict[str, str]], tmp_path: Path
+) -> None:
+    """A SIGKILL keeps the page cache: a kill after the k-th operation leaves all k applied. Once
+    the new step 5 is complete, a resumed run (RESTORE's clean-up, then ``load="latest"``) loads
+    it, whatever point of the old copy's replacement the kill came at."""
+    from tests.test_checkpointing import Trainer, events
+    from trainfsm import CheckpointingHook
+
+    trace, checksums = resave_trace
+    moved = [op for op in trace.ops if op[0] == "rename" and op[2] == "5"]
+    assert moved, "the recorded run saved no step 5 over the old one"
+    loaded = {}
+    for k in _replacement(trace):
+        workspace = tmp_path / f"killed{k}"
+        crashfs.materialize(*crashfs.killed_after(trace, k), workspace / "checkpoints")
+        Trainer(CheckpointingHook(interval=1, keep_previous=1), max_steps=5, workspace=workspace).train()
+        (event,) = events(workspace, "checkpoint_loaded")
+        loaded[k] = (event["from_step"], event["checksum"] == checksums["new"])
+        CheckpointStore.verify(workspace / "checkpoints" / "5")  # a complete step 5 stays on disk
+    assert set(loaded.values()) == {(5, True)}, loaded
+
+
+def test_every_crash_state_of_a_resave_keeps_a_complete_step(
+    resave_trace: tuple[crashfs.Trace, dict[str, str]], tmp_path: Path
+) -> None:
+    """A power cut at any point of the re-save: RESTORE's clean-up (``remove_leftovers``) leaves a
+    step 5 that verifies, the old one or the new one."""
+    trace, _ = resave_trace
+    count, bad = 0, []
+    for description, tree, data in crashfs.crash_states(trace):
+        count += 1
+        directory = tmp_path / f"state{count}"
+        crashfs.materialize(tree, data, directory)
+        CheckpointStore(directory).remove_leftovers()
+        found = newest_loadable(directory)
+        if found is None or found[0] != 5:
+            bad.append(f"{description}: {'nothing' if found is None else f'step {found[0]}'} loads")
+        shutil.rmtree(directory)
+        if len(bad) >= 3:
+            break
+    assert not bad, "\n".join(bad)
+    assert count > 4 * len(trace.ops)

@@ -3,6 +3,8 @@
 - ``store``: one directory per step, written atomically (temporary directory, fsyncs, manifest
   last, rename, ``latest``), listed, verified and pruned;
 - ``manifest``: what a complete checkpoint holds and the checks made before a byte is unpickled;
+- ``lineage``: the order checkpoints were written in, and which ones a rollback abandoned;
+- ``replace``: a step saved again over its old copy, and the copies a kill left on the way;
 - ``io``: how bytes reach the disk fast (staging buffers, ``O_DIRECT``, checksums on the way);
 - ``disk``: whether a file may be written over (nothing else sees it), and room taken without writing;
 - ``sharded``: DCP for model and optimizer states split over ranks;

@@ -29,9 +29,15 @@ KEEP_SUFFIX: Final = "_keep"
 #: 5: the manifest names its "checksum" algorithm and each file has one sum of it ("digest"); a
 #: sharded one adds "sharded", "world_size" and each shard's writer ("rank"). Still read: 4 (the
 #: same with a sum per chunk, "chunks"), and, all sha256, 3 (format 2, sharded), 2 (a sum per
-#: chunk, "sha256_chunks"), 1 (one sum per file, "sha256").
+#: chunk, "sha256_chunks"), 1 (one sum per file, "sha256"). Format 5 manifests written since
+#: trainfsm records the order of saves also have "sequence" and "resumed"
+#: (``trainfsm.checkpoint.lineage``); a reader that does not know them ignores them.
 FORMAT: Final = 5
 READS: Final = (1, 2, 3, 4, 5)
+#: The manifest's keys for its save's place in the store's order of writing, and for where the run
+#: that wrote it started ({"step": resumed from, "sequence": the highest on disk then}).
+SEQUENCE: Final = "sequence"
+RESUMED: Final = "resumed"
 
 
 class CheckpointError(RuntimeError):
@@ -46,10 +52,18 @@ def parse_step(name: str) -> tuple[int, bool] | None:
 
 
 def encode_manifest(
-    step: int, keep: bool, files: dict[str, dict[str, Any]], checksum: str, sharded_world_size: int | None
+    step: int,
+    keep: bool,
+    files: dict[str, dict[str, Any]],
+    checksum: str,
+    sharded_world_size: int | None,
+    sequence: int | None = None,
+    resumed: tuple[int, int] | None = None,
 ) -> bytes:
     """The manifest of checkpoint ``step`` listing ``files`` (name -> entry), in the current format;
-    ``sharded_world_size``: the world size that wrote a sharded checkpoint, None for a full one."""
+    ``sharded_world_size``: the world size that wrote a sharded checkpoint, None for a full one;
+    ``sequence``: the save's place in its store's order of writing, ``resumed``: (step, sequence)
+    where its run started (``trainfsm.checkpoint.lineage``)."""
     from trainfsm import __version__
 
     manifest: dict[str, Any] = {
@@ -63,6 +77,10 @@ def encode_manifest(
     }
     if sharded_world_size is not None:
         manifest.update(sharded=True, world_size=sharded_world_size)
+    if sequence is not None:
+        manifest[SEQUENCE] = sequence
+    if resumed is not None:
+        manifest[RESUMED] = {"step": resumed[0], "sequence": resumed[1]}
     return json.dumps(manifest, indent=1, sort_keys=True).encode()
 
 
@@ -115,6 +133,26 @@ def verify(path: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
             raise CheckpointError(f"{file} has {size} bytes, the manifest says {expected.get('bytes')} (truncated?)")
         if not _matches(file, expected, checksum):
             raise CheckpointError(f"{file} does not match its {checksum} in {MANIFEST} (corrupted)")
+    return manifest  # type: ignore[no-any-return]
+
+
+def written_whole(path: Path, step: int) -> dict[str, Any] | None:
+    """The manifest of directory ``path`` where it describes ``step`` and every file it lists is
+    there at its size, else None: a save's temporary directory that lacks only its rename.
+
+    Sizes, not checksums: a save writes the manifest after every file is durable, so a manifest
+    that parses stands for complete files; reading every byte of a large checkpoint to promote it
+    would hold RESTORE for minutes, and loading verifies the checksums anyway.
+    """
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if manifest["step"] != step or manifest.get("format") not in READS:
+            return None
+        for name, entry in manifest["files"].items():
+            if (path / name).stat().st_size != entry["bytes"]:
+                return None
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        return None
     return manifest  # type: ignore[no-any-return]
 
 

@@ -37,12 +37,18 @@ if TYPE_CHECKING:
 
 
 def open_store(trainer: BaseTrainer, root: Path, *, direct_io: bool | str, checksum: str) -> CheckpointStore:
-    """The store under ``root``; rank 0 (which writes) removes interrupted saves' leftovers and
-    prepares the writer now, not in the first save's step: its threads and buffers, the serializer's
-    imports, and the way it writes (measured on this disk, or forced), which the trail records."""
+    """The store under ``root``; rank 0 (which writes) puts interrupted saves' complete checkpoints
+    in place, removes their other leftovers, and prepares the writer now, not in the first save's
+    step: its threads and buffers, the serializer's imports, and the way it writes (measured on
+    this disk, or forced), which the trail records."""
     store = CheckpointStore(root, direct_io=direct_io, checksum=checksum)
     log = trainer.events
     if trainer.rank == 0:
+        # A save killed once its checkpoint was complete is finished, not thrown away: of a step
+        # saved again, the new copy is the one the run meant to keep.
+        completed = store.complete_interrupted()
+        if completed:
+            log.warning("checkpoint_tmp_completed", names=completed)
         removed = store.remove_leftovers()
         if removed:
             log.warning("checkpoint_tmp_removed", names=removed)
@@ -171,7 +177,8 @@ def restore(
 
 def _warn_if_older(trainer: BaseTrainer, store: CheckpointStore, path: Path, load: Path | str) -> None:
     """A named checkpoint (``load="best"``, a path) loaded while the store holds a newer complete one:
-    left in a script that is requeued, every preemption would train the steps since it again."""
+    left in a script that is requeued, every preemption would train the steps since it again. The
+    run's first save abandons the newer ones (``trainfsm.checkpoint.lineage``)."""
     newer = [c for c in store.candidates() if c.step > trainer.step]
     if not newer:
         return
@@ -186,9 +193,35 @@ def _warn_if_older(trainer: BaseTrainer, store: CheckpointStore, path: Path, loa
     notice(
         trainer.logger,
         f"load={str(load)!r} resumed from step {trainer.step}, but {newest.path} (step {newest.step}) is newer: "
-        f"the {newest.step - trainer.step} steps since are trained again. A script that is requeued after a "
-        f'preemption should resume with load="latest".',
+        f"the {newest.step - trainer.step} steps since are trained again. Once this run saves, the newer "
+        'checkpoints are abandoned: load="latest" resumes from this run\'s, and pruning deletes the newer ones '
+        f'not kept. A script that is requeued after a preemption should resume with load="latest".',
     )
+
+
+def start_timeline(trainer: BaseTrainer, store: CheckpointStore, load: Path | str | None) -> None:
+    """Rank 0 (which writes the manifests): tell the store the step this run's timeline starts
+    from, which its saves record; once it saves, the checkpoints written before past that step are
+    abandoned (``trainfsm.checkpoint.lineage``). A run told where to start (``load=`` a name or a
+    path, or None: step 0) abandons the newer ones; ``load="latest"`` none, not even a newer one it
+    skipped as corrupt: a read that failed once (a flaky file system) may not fail at the next start,
+    and must not cost the checkpoint."""
+    if trainer.rank != 0:
+        return
+    start = trainer.step
+    if load == "latest":
+        newest = next(store.candidates(), None)
+        start = max(start, newest.step if newest is not None else 0)
+    elif load is None:
+        newer = [c for c in store.candidates() if c.ours]
+        if newer:
+            notice(
+                trainer.logger,
+                f"load=None starts from step 0, but {store.root} holds checkpoints up to step {newer[0].step}: once "
+                f'this run saves, they are abandoned (load="latest" no longer resumes from them, and pruning '
+                f'deletes those not kept). To resume from them, use load="latest".',
+            )
+    store.resumed_from(start)
 
 
 def refuse_foreign_ahead(trainer: BaseTrainer, store: CheckpointStore) -> None:

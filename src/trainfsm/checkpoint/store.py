@@ -13,14 +13,16 @@ Why each step of a save is there (a crash may happen between any two of them):
    sees a half-written file under a step's name.
 2. ``manifest.json`` is written last, so a directory without a manifest is never complete.
 3. The directory is fsynced, renamed into place, and the parent fsynced: after that, the rename
-   survives a power cut.
+   survives a power cut. A step saved again keeps a complete copy throughout, and RESTORE puts a
+   complete temporary directory in place rather than delete it (``trainfsm.checkpoint.replace``).
 4. Only then does ``latest`` move (a new link renamed over the old one), with any pointer that
    waits for this save (``point_when_saved``), and only then are old checkpoints pruned, so there
    is always a complete newest checkpoint on disk and a pointer never names a deleted one.
 
 Loading checks the manifest before a byte is unpickled (``verify`` / ``load``, from
 ``trainfsm.checkpoint.manifest``, which holds the manifest's format and its checks); a checkpoint that fails
-the check is skipped for the next older one (``candidates``).
+the check is skipped for the next older one (``candidates``), and one a rollback abandoned is never
+tried (``trainfsm.checkpoint.lineage``).
 
 A sharded checkpoint (``CheckpointingHook(sharded=...)``) is made the same way: every rank writes
 its shards into the one temporary directory rank 0 made (``begin``), describes its files
@@ -66,6 +68,7 @@ from trainfsm.checkpoint.io import (
     tensor_bytes,
     write_durable,
 )
+from trainfsm.checkpoint.lineage import Manifests, abandoned
 from trainfsm.checkpoint.manifest import (
     FORMAT,
     KEEP_SUFFIX,
@@ -77,6 +80,7 @@ from trainfsm.checkpoint.manifest import (
 )
 from trainfsm.checkpoint.manifest import load as load_checkpoint
 from trainfsm.checkpoint.manifest import verify as verify_checkpoint
+from trainfsm.checkpoint.replace import complete_interrupted, put_in_place
 from trainfsm.checkpoint.trainloop import is_trainloop
 from trainfsm.checkpoint.writemode import Choice, WriteMode
 
@@ -167,6 +171,11 @@ class CheckpointStore:
         # Registered on the training thread, applied on the one that saves (an async writer).
         self._due: dict[str, int] = {}
         self._due_lock = threading.Lock()
+        # Each checkpoint's place in the store's history, and this run's (trainfsm.checkpoint.lineage).
+        self._manifests = Manifests()
+        self._sequence: int | None = None  # the last save's
+        self._resumed_step: int | None = None  # the step the run started from (resumed_from)
+        self._started: tuple[int, int] | None = None  # (that step, the highest sequence on disk then)
 
     def close(self) -> None:
         """Release the writer's threads and buffers, and delete the files kept for recycling (the
@@ -436,20 +445,20 @@ class CheckpointStore:
             total += size
         for folder in sorted({(tmp / relative).parent for relative in written or {}}):
             fsync_dir(folder)  # the other ranks' file names are durable before the manifest names them
-        manifest_bytes = encode_manifest(step, keep, files, self.checksum, world_size if written is not None else None)
+        if self._sequence is None:  # once: the store's root has one writer
+            self._sequence = self._manifests.highest(c.path for c in self.checkpoints() if c.ours)
+            start = self._resumed_step if self._resumed_step is not None else step - 1
+            self._started = (start, self._sequence)
+        self._sequence += 1
+        sharded_world = world_size if written is not None else None
+        manifest_bytes = encode_manifest(step, keep, files, self.checksum, sharded_world, self._sequence, self._started)
         checksum = write_durable(tmp / MANIFEST, manifest_bytes, self.checksum)  # last: it marks the set complete
         fsync_dir(tmp)
         if reused:
             # A file moved out of it: until this directory is synced too, a crash may undo that move,
             # leaving the new checkpoint without the file once the previous one is pruned.
             fsync_dir(self.root / RECYCLE)
-        for existing in (target, other):  # the same step saved again (a resumed run): replace our own
-            if existing.exists():
-                trash = self.root / f"{TMP_PREFIX}old-{existing.name}-{uuid.uuid4().hex[:8]}"
-                existing.rename(trash)
-                shutil.rmtree(trash, ignore_errors=True)
-        tmp.rename(target)
-        fsync_dir(self.root)
+        put_in_place(self.root, tmp, name)  # over our copy of the step, if saved again
         self.point(LATEST, name)
         with self._due_lock:
             due = [pointer for pointer, first in self._due.items() if first <= step]
@@ -459,6 +468,13 @@ class CheckpointStore:
             self.point(pointer, name)
         self.wrote_directly = direct
         return Checkpoint(step, target, keep), total + len(manifest_bytes), checksum
+
+    def resumed_from(self, step: int) -> None:
+        """The step the run saving here started from: the loaded checkpoint's, 0 for a fresh start.
+        Its saves record it, and the checkpoints written before past it are from then on abandoned
+        (``trainfsm.checkpoint.lineage``). Before its first save; without it, that save's step less
+        one stands for it."""
+        self._resumed_step = step
 
     def point(self, pointer: str, name: str) -> None:
         """Make ``pointer`` (``latest``, ``best``, ...) name checkpoint directory ``name``, atomically:
@@ -485,22 +501,20 @@ class CheckpointStore:
         with self._due_lock:
             self._due[pointer] = step
 
-    def remove_leftovers(self) -> list[str]:
-        """Delete temporary directories of interrupted saves; returns their names.
+    def complete_interrupted(self) -> list[str]:
+        """Put the complete checkpoints that killed saves left in temporary directories in place
+        (the new copy of a re-saved step over the old); the names put in place
+        (``trainfsm.checkpoint.replace``)."""
+        return complete_interrupted(self.root)
 
-        A ``.tmp-old-<name>-*`` directory is a complete checkpoint that a re-save of the same step
-        moved aside; if the save died before its replacement arrived, it is moved back instead.
-        """
+    def remove_leftovers(self) -> list[str]:
+        """Delete what interrupted saves and prunes left (``.tmp-*``), once ``complete_interrupted``
+        put every complete checkpoint among it in place; returns the names deleted."""
         if not self.root.is_dir():
             return []
+        self.complete_interrupted()
         removed = []
         for entry in sorted(self.root.iterdir()):
-            if entry.name.startswith(f"{TMP_PREFIX}old-") and entry.is_dir():
-                name = entry.name[len(f"{TMP_PREFIX}old-") :].rsplit("-", 1)[0]
-                if not (self.root / name / MANIFEST).is_file() and (entry / MANIFEST).is_file():
-                    entry.rename(self.root / name)
-                    fsync_dir(self.root)
-                    continue
             if entry.name == RECYCLE and entry.is_dir() and not entry.is_symlink():
                 continue  # the store's own files, room RESTORE counts (``reserve``); re-checked before a write
             if entry.name.startswith(TMP_PREFIX):
@@ -549,12 +563,23 @@ class CheckpointStore:
 
     def candidates(self) -> Iterator[Checkpoint]:
         """Checkpoints to try for ``load="latest"``, newest step first: trainfsm's and trainloop's
-        (a directory nobody known wrote is not tried; ``foreign`` lists it).
+        (a directory nobody known wrote is not tried; ``foreign`` lists it), but none a rollback
+        abandoned (``trainfsm.checkpoint.lineage``).
 
         Not ``latest``'s target first: a save that died after its rename but before ``latest`` moved
-        leaves a newer complete checkpoint than the one ``latest`` names, and it is the one to use.
+        leaves a newer complete checkpoint than the one ``latest`` names, written after it, and it is
+        the one to use. A newer one written before it belongs to a timeline a run resumed from an
+        older checkpoint left behind, and is not.
         """
-        yield from (c for c in reversed(self.checkpoints()) if c.written_by is not None)
+        found = [c for c in self.checkpoints() if c.written_by is not None]
+        dropped = self.abandoned(found)
+        yield from (c for c in reversed(found) if c.path not in dropped)
+
+    def abandoned(self, checkpoints: list[Checkpoint] | None = None) -> set[Path]:
+        """The paths of the checkpoints (of ``checkpoints``, or all) that a rollback abandoned: written
+        before a run that resumed from an earlier step started (``trainfsm.checkpoint.lineage``)."""
+        found = self.checkpoints() if checkpoints is None else checkpoints
+        return abandoned(((c.step, c.path) for c in found if c.ours), self._manifests)
 
     # ------------------------------------------------------------------ verifying and loading
     @staticmethod
@@ -571,9 +596,10 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ pruning
     def prune(self, keep_previous: int) -> list[Checkpoint]:
-        """Delete complete, unkept checkpoints beyond the newest ``keep_previous + 1``; never the
-        newest complete one, never a kept one, never one a pointer (``latest``, ``best``) names,
-        never a directory trainfsm did not write (``foreign``).
+        """Delete the checkpoints a rollback abandoned (``abandoned``), and complete, unkept ones
+        beyond the newest ``keep_previous + 1`` of the rest; never the newest complete one that
+        is not abandoned, never a kept one, never one a pointer (``latest``, ``best``) names, never
+        a directory trainfsm did not write (``foreign``).
 
         A pruned checkpoint's large files (``RECYCLED_BYTES`` or more) are recycled rather than
         deleted: its directory is renamed out of the way (gone from the store at once, as if
@@ -609,11 +635,13 @@ class CheckpointStore:
         complete = [c for c in self.checkpoints() if c.ours]
         if not complete:
             return []
+        dropped = self.abandoned(complete)  # pruned first: they count for no keep_previous
+        timeline = [c for c in complete if c.path not in dropped]  # never empty: the newest-written is on it
         protected = {c.path for c in complete if c.kept}
-        protected.add(complete[-1].path)
+        protected.add(timeline[-1].path)
         targets = set(self.pointers().values())
         protected.update(c.path for c in complete if c.path.name in targets)
-        unkept = [c for c in complete if not c.kept]
+        unkept = [c for c in timeline if not c.kept]
         protected.update(c.path for c in unkept[-(keep_previous + 1) :])
         removed = []
         for checkpoint in complete:

@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from trainfsm import collectives, data_state
 from trainfsm.checkpoint.background import BackgroundSaves
 from trainfsm.checkpoint.io import check_checksum
-from trainfsm.checkpoint.restore import model_shapes, open_store, refuse_foreign_ahead, reserve_room, restore
+from trainfsm.checkpoint.restore import (
+    model_shapes,
+    open_store,
+    refuse_foreign_ahead,
+    reserve_room,
+    restore,
+    start_timeline,
+)
 from trainfsm.checkpoint.save import Saver, SaveResult, log_saved, saves_sharded
 from trainfsm.checkpoint.store import CheckpointStore
 from trainfsm.checkpoint.writemode import check_direct_io
@@ -138,6 +145,7 @@ class CheckpointingHook(BaseHook):
                 self._step_in_store = trainer.step
         else:  # a fresh start asked for: the data ledger does not count it as lost work
             trainer.events.info("checkpoint_not_loaded", reason="load=None")
+        start_timeline(trainer, store, self.load)
         refuse_foreign_ahead(trainer, store)
         if trainer.rank == 0 and not self.saves_sharded:
             reserve_room(trainer, store, current, copies=self.keep_previous + 2)

@@ -58,6 +58,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "checkpoint_not_newest": ("path", "from_step", "newest", "newest_step"),
     "checkpoint_pruned": ("paths",),
     "checkpoint_tmp_removed": ("names",),
+    "checkpoint_tmp_completed": ("names",),
     "checkpoint_store_ready": ("seconds", "direct_io", "chosen_by", "rates"),
     "checkpoint_room_reserved": ("bytes", "allocated", "seconds", "complete"),
     "checkpoint_failed": ("type", "message"),
@@ -198,6 +199,11 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     ),
     "checkpoint_pruned": ("`paths`", "old checkpoints deleted after a save"),
     "checkpoint_tmp_removed": ("`names`", "leftovers of an interrupted save deleted in RESTORE"),
+    "checkpoint_tmp_completed": (
+        "`names`",
+        "checkpoints an interrupted save left complete but not yet renamed into place (a re-saved step's new "
+        "copy among them), renamed into place in RESTORE instead of deleted",
+    ),
     "checkpoint_store_ready": (
         "`seconds`, `direct_io` (the way a file of a size not saved yet will be written: past the page cache "
         "or through it; each file's way is chosen by its size when it is saved), "
