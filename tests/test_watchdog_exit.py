@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -13,8 +15,124 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from trainfsm.machine import ROUTINE_END, ROUTINE_START
+import pytest
+import torch
+
+from tests.helpers import read_events
+from trainfsm import watchdog
+from trainfsm.machine import ROUTINE_END, ROUTINE_START, STALL_EXIT_CODE
 from trainfsm.trail.writer import EventLog
+from trainfsm.watchdog import Watchdog
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def warm() -> None:
+    """What a first optimizer step imports, before budgets under a second time BUILD."""
+    parameter = torch.zeros(1, requires_grad=True)
+    parameter.sum().backward()
+    torch.optim.SGD([parameter], lr=0.1).step()
+
+
+def stalls(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == "stall"]
+
+
+# ---------------------------------------------------------------- a stall in the I/O it reports on
+STDERR_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+import torch
+from tests.helpers import TinyTrainer
+
+parameter = torch.zeros(1, requires_grad=True)  # what a first step imports, before BUILD's half second
+parameter.sum().backward()
+torch.optim.SGD([parameter], lr=0.1).step()
+
+class Loud(TinyTrainer):
+    def forward(self, input):
+        if self.step == 3:
+            sys.stderr.write("x" * (1 << 20))  # blocks for good: nobody reads the pipe
+            sys.stderr.flush()
+        return super().forward(input)
+
+Loud(max_steps=6, workspace=sys.argv[1], stall_timeout=0.5, stall_action="exit").train()
+"""
+
+
+def test_with_exit_a_main_thread_stuck_on_a_full_stderr_pipe_still_ends_with_75_and_its_stall_in_the_trail(
+    tmp_path: Path,
+) -> None:
+    """The watchdog's console line goes to the stderr the main thread holds: it must not wait on it."""
+    script = tmp_path / "loud.py"
+    script.write_text(STDERR_SCRIPT.format(root=str(ROOT)))
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ws")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,  # read by nobody: full after 64 KiB, as an srun output pipe that stalls
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        code = process.wait(timeout=40)  # the exit's hard deadline (60 s) must not be what ends it
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        process.kill()
+        process.wait()
+        assert process.stderr is not None
+        process.stderr.close()
+    seconds = time.monotonic() - started
+    assert code == STALL_EXIT_CODE, f"still alive after {seconds:.0f} s" if code is None else code
+    events = read_events(tmp_path / "ws")
+    (stall,) = stalls(events)
+    assert (stall["state"], stall["step"], stall["action"]) == ("ACCUMULATE", 3, "exit")
+    assert stall["stack"][-1].endswith("Loud.forward")
+    assert events[-1]["event"] == "exit" and (events[-1]["reason"], events[-1]["code"]) == ("stalled", 75)
+
+
+class Mark:
+    moves = 0
+    evaluating = False
+
+
+def test_the_stall_exit_ends_the_process_at_its_deadline_even_when_the_requeue_never_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(watchdog, "EXIT_DEADLINE_SECONDS", 1.0, raising=False)
+    never = threading.Event()
+    exited: list[tuple[int, float]] = []
+    ended = threading.Event()
+
+    def exit(code: int) -> None:
+        exited.append((code, time.monotonic()))
+        ended.set()
+
+    log = event_log(tmp_path / "events.jsonl", SimpleNamespace(step=3))
+    trainer = SimpleNamespace(state="ACCUMULATE", step=3, exit_reason=None, exit_code=None)
+    dog = Watchdog(
+        timeout=0.25,
+        action="exit",
+        progress=Mark(),
+        trainer=trainer,
+        event_log=log,
+        micro=int,
+        requeue=lambda record: never.wait(),  # scontrol hung past its own timeout
+        exit=exit,
+    )
+    started = time.monotonic()
+    dog.start()
+    try:
+        assert ended.wait(10)
+    finally:
+        never.set()
+    ((code, when),) = exited
+    assert code == STALL_EXIT_CODE
+    assert 0.25 + 1.0 <= when - started < 0.25 + 1.0 + 1.0  # the budget, then the exit's deadline
+    lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in lines] == ["stall"]  # written before the requeue that hung
 
 
 # ---------------------------------------------------------------- the exit's write-out

@@ -310,10 +310,6 @@ class BaseTrainer(fsm.Triggers):
         if self.stall_timeout is None and deadline is None:
             return None
         event_log = run.event_log
-
-        def record(level: str, event: str, **fields: Any) -> None:
-            event_log.write_from_thread(level, event, self.step, self.state, **fields)
-
         watchdog = Watchdog(
             timeout=self.stall_timeout,
             action=self.stall_action,
@@ -321,7 +317,7 @@ class BaseTrainer(fsm.Triggers):
             trainer=self,
             event_log=event_log,
             micro=lambda: run.micro,
-            requeue=lambda: run.preemption.requeue_after_stall(record),
+            requeue=run.preemption.requeue_after_stall,
             deadline=deadline,
             on_deadline=run.preemption.deadline_reached,
         )

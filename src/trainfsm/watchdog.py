@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -55,6 +56,7 @@ from trainfsm import activity
 from trainfsm import machine as fsm
 from trainfsm.machine import STALL_EXIT_CODE, ExitReason
 from trainfsm.preemption.deadline import UNMEASURED_SAVE_BYTES_PER_SECOND
+from trainfsm.trail.writer import render_console
 
 if TYPE_CHECKING:
     from trainfsm.machine import Progress
@@ -63,6 +65,13 @@ if TYPE_CHECKING:
 
 #: How often the thread looks at the progress mark; a stall is reported at most a tick late.
 TICKS_PER_SECOND: Final = 4
+
+#: ``stall_action="exit"``: the stuck thread may hold what the exit writes to (a full stderr pipe,
+#: a trail on a stalled file system), so each write waits at most ``EXIT_WRITE_SECONDS`` on a
+#: thread of its own, and the process ends ``EXIT_DEADLINE_SECONDS`` after the stall's report
+#: whatever still waits (the requeue's ``scontrol`` has 30 s of it).
+EXIT_WRITE_SECONDS: Final = 3.0
+EXIT_DEADLINE_SECONDS: Final = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +109,7 @@ class Watchdog:
         trainer: Any,
         event_log: EventLog,
         micro: Callable[[], int],
-        requeue: Callable[[], None],
+        requeue: Callable[[Callable[..., None]], None],
         exit: Callable[[int], None] = os._exit,
         deadline: Deadline | None = None,
         on_deadline: Callable[[dict[str, Any]], bool] | None = None,
@@ -112,7 +121,9 @@ class Watchdog:
         self.trainer = trainer
         self.event_log = event_log
         self.micro = micro
-        self.requeue = requeue  # under SLURM: the preemption's requeue, its cap and array rules
+        # Under SLURM: the preemption's requeue, its cap and array rules; it records its ``requeue``
+        # event with the callable it is given.
+        self.requeue = requeue
         self._exit = exit
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -251,41 +262,88 @@ class Watchdog:
     def _report(self, stuck: float, budget: float) -> None:
         self._reports += 1
         doing = activity.main_thread_activity()
-        if self.action == "exit":  # the process ends: what the stuck thread recorded goes first
-            self.event_log.write_out_before_exit()
         try:
             micro = self.micro()
         except Exception:
             micro = None
-        self.event_log.write_from_thread(
-            "warning",
-            "stall",
-            self._step,
-            self._state,
-            micro=micro,
-            seconds=round(stuck, 3),
-            budget=round(budget, 3),
-            report=self._reports,
-            action=self.action,
+        stall = {
+            "micro": micro,
+            "seconds": round(stuck, 3),
+            "budget": round(budget, 3),
+            "report": self._reports,
+            "action": self.action,
             **doing.as_event(),
-        )
+        }
         if self.action == "exit":
-            self._end(STALL_EXIT_CODE)
+            self._end(STALL_EXIT_CODE, stall)
+        else:
+            self.event_log.write_from_thread("warning", "stall", self._step, self._state, **stall)
 
-    def _end(self, code: int) -> None:
-        """Requeue under SLURM, record the exit, end the process: the main thread is stuck, so
-        nothing of EXIT runs (the trail was flushed line by line; a checkpoint in the making is
-        left as a ``.tmp-*`` that the next RESTORE removes)."""
+    def _end(self, code: int, stall: dict[str, Any]) -> None:
+        """Write out what the stuck thread recorded, the stall, requeue under SLURM, record the
+        exit, end the process: the main thread is stuck, so nothing of EXIT runs (a checkpoint in
+        the making is left as a ``.tmp-*`` that the next RESTORE removes). No step here waits on
+        what the stuck thread may hold (``EXIT_WRITE_SECONDS``, ``EXIT_DEADLINE_SECONDS``)."""
+        deadline = threading.Timer(EXIT_DEADLINE_SECONDS, self._exit, (code,))
+        deadline.daemon = True
+        deadline.start()
+        words = _LastWords(self.event_log, self._step, self._state)
+        words.write_out()
+        words.record("warning", "stall", **stall)
         try:
-            self.requeue()
+            self.requeue(words.record)
         except Exception as exc:
-            self.event_log.console.error("trainfsm: requeue after a stall failed: %r", exc)
+            words.console.append((logging.ERROR, f"trainfsm: requeue after a stall failed: {exc!r}"))
         self.trainer.exit_reason, self.trainer.exit_code = ExitReason.STALLED, code
-        self.event_log.write_from_thread("error", "exit", self._step, self._state, reason=ExitReason.STALLED, code=code)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        words.record("error", "exit", reason=ExitReason.STALLED, code=code)
+        words.show()
         self._exit(code)
+        deadline.cancel()  # reached only where ``exit`` returns (tests)
+        self.event_log.hand_back()
+
+
+class _LastWords:
+    """What the stall exit writes, none of it waiting on the stuck thread: each trail line on a
+    thread of its own for at most ``EXIT_WRITE_SECONDS`` (none after one that did not finish:
+    its file is the stuck one), and the console's lines last, all at once, in the same bound (a
+    full pipe on stderr holds the console, not the trail)."""
+
+    def __init__(self, event_log: EventLog, step: int, state: str) -> None:
+        self.log, self.step, self.state = event_log, step, state
+        self.trail = True  # the trail's file still takes lines
+        self.console: list[tuple[int, str]] = []
+
+    def write_out(self) -> None:
+        """What the stuck thread recorded and had not written yet: the trail up to where it stuck."""
+        self.trail = _within(EXIT_WRITE_SECONDS, lambda: self.log.write_out_before_exit(EXIT_WRITE_SECONDS))
+
+    def record(self, level: str, event: str, **fields: Any) -> None:
+        record = self.log.thread_record(event, self.step, self.state, **fields)
+        if self.trail:
+            self.trail = _within(EXIT_WRITE_SECONDS, lambda: self.log.write_line(record))
+        self.console.append((logging.getLevelName(level.upper()), render_console(record)))
+
+    def show(self) -> None:
+        console = self.log.console
+
+        def show_and_flush() -> None:
+            for levelno, text in self.console:
+                if console.isEnabledFor(levelno):
+                    console.log(levelno, "%s", text)
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+
+        _within(EXIT_WRITE_SECONDS, show_and_flush)
+
+
+def _within(seconds: float, work: Callable[[], object]) -> bool:
+    """Run ``work`` on a daemon thread and wait for it at most ``seconds``: whether it finished. A
+    ``work`` that blocks stays blocked on its own thread, which the process's end takes with it."""
+    thread = threading.Thread(target=work, name="trainfsm-watchdog-exit", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
 
 
 def state_bytes(trainer: Any) -> int:
