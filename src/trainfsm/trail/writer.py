@@ -233,25 +233,22 @@ class EventLog:
         if self._console_debug:
             self._show(now, step, _END)
         with self._lock:  # the stall watchdog may be taking the step's rows and the run
-            self._fold(now, step)
-
-    def _fold(self, now: float, step: int) -> None:
-        rows = self._step_rows
-        if rows and rows[0][2] is _START:
-            run = self._run
-            if run is not None and run.micro == len(rows) and run.last + 1 == step:
-                run.times.append(now)
-                run.last = step
-            else:
-                if run is not None:
-                    self._pending.append(self._render_run(run))
-                self._run = _Run(step, len(rows), rows[0][0], now)
-            rows.clear()
-        else:  # part of the step was written already (an event came in between): verbatim
-            rows.append((now, step, _END))
-            self._spill()
-        if now - self._last_write >= FLUSH_SECONDS or now < self._last_write:
-            self._write_out()
+            rows = self._step_rows
+            if rows and rows[0][2] is _START:
+                run = self._run
+                if run is not None and run.micro == len(rows) and run.last + 1 == step:
+                    run.times.append(now)
+                    run.last = step
+                else:
+                    if run is not None:
+                        self._pending.append(self._render_run(run))
+                    self._run = _Run(step, len(rows), rows[0][0], now)
+                rows.clear()
+            else:  # part of the step was written already (an event came in between): verbatim
+                rows.append((now, step, _END))
+                self._spill()
+            if now - self._last_write >= FLUSH_SECONDS or now < self._last_write:
+                self._write_out()
 
     def _spill(self) -> None:
         """The open run as its record, then the step in flight's rows verbatim, into ``_pending``
