@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.fake_slurm import FakeSlurm
 from tests.helpers import read_events
 from trainfsm import watchdog
 from trainfsm.machine import ROUTINE_END, ROUTINE_START, STALL_EXIT_CODE
+from trainfsm.tools import trace
 from trainfsm.trail.writer import EventLog
 from trainfsm.watchdog import Watchdog
 
@@ -119,7 +121,7 @@ def test_the_stall_exit_ends_the_process_at_its_deadline_even_when_the_requeue_n
         trainer=trainer,
         event_log=log,
         micro=int,
-        requeue=lambda record: never.wait(),  # scontrol hung past its own timeout
+        requeue=lambda record, refused: never.wait(),  # scontrol hung past its own timeout
         exit=exit,
     )
     started = time.monotonic()
@@ -207,3 +209,73 @@ def test_the_exit_write_out_neither_duplicates_nor_loses_a_line_while_the_traine
             assert (duplicated, lost) == ([], []), f"trial {trial}: {len(written)} steps written"
     finally:
         sys.setswitchinterval(interval)
+
+
+# ---------------------------------------------------------------- a stall that recurs
+EVALUATION_SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+import torch
+from tests.helpers import TinyTrainer
+from trainfsm import BaseHook, CheckpointingHook
+
+parameter = torch.zeros(1, requires_grad=True)  # what a first step imports, before BUILD's budget
+parameter.sum().backward()
+torch.optim.SGD([parameter], lr=0.1).step()
+
+class LongEvaluation(BaseHook):
+    def on_evaluate(self, trainer):
+        if trainer.step == 6:
+            time.sleep(60)  # longer than its budget, at a checkpoint step: every attempt again
+
+TinyTrainer(
+    max_steps=9, workspace=sys.argv[1], stall_timeout=2, stall_action="exit",
+    hooks=[LongEvaluation(), CheckpointingHook(interval=3)],
+).train()
+"""
+
+
+def test_a_stall_exit_at_the_same_step_and_state_as_the_attempt_before_is_not_requeued_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SLURM batch job (the stand-in ``scontrol``) started again for as long as it is requeued: an
+    evaluation longer than its budget at the checkpoint step 6 ends attempt 0 with 75 and a
+    requeue; attempt 1 resumes from step 3 and stalls in the same place, so it is not requeued,
+    and the trail and ``trainfsm trace`` say why."""
+    fake = FakeSlurm(tmp_path / "slurm", monkeypatch)
+    fake.end_in(3600)
+    script = tmp_path / "evaluation.py"
+    script.write_text(EVALUATION_SCRIPT.format(root=str(ROOT)))
+    workspace = tmp_path / "ws"
+    codes = []
+    for restarts in range(4):  # SLURM_RESTART_COUNT, as SLURM counts the requeues
+        requeued = len(fake.requeued())
+        done = subprocess.run(
+            [sys.executable, str(script), str(workspace)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "SLURM_RESTART_COUNT": str(restarts)},
+        )
+        codes.append(done.returncode)
+        if len(fake.requeued()) == requeued:  # not requeued: SLURM ends the job here
+            break
+    assert codes == [STALL_EXIT_CODE, STALL_EXIT_CODE], codes
+    events = read_events(workspace)
+    exits = [(e["attempt"], e["step"], e["state"], e["reason"]) for e in events if e["event"] == "exit"]
+    assert exits == [(0, 6, "ACCUMULATE", "stalled"), (1, 6, "ACCUMULATE", "stalled")]
+    requeues = [(e["attempt"], e["ok"]) for e in events if e["event"] == "requeue"]
+    assert requeues == [(0, True), (1, False)]
+    (refused,) = [e for e in events if e["event"] == "requeue" and not e["ok"]]
+    assert refused["message"] == (
+        "not requeued: the same stall (ACCUMULATE at step 6) ended attempt 0; "
+        "a requeue would resume from the same checkpoint and stall there again"
+    )
+    assert [e.get("repeats") for e in events if e["event"] == "exit"] == [None, 0]
+    text = trace.render(trace.trace([workspace]))
+    assert (
+        "  repeated: rank 0 stalled in ACCUMULATE running step 6 as attempt 0 did: not requeued "
+        "(the next attempt would resume from the same checkpoint and stall there again)"
+    ) in text
+

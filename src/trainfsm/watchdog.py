@@ -11,7 +11,10 @@ micro-batch, seconds, and what the main thread is doing, read from its stack by
 ``trainfsm.activity``), again at 2x, 4x, ... the budget, and ``stall_cleared`` when the rank moves
 again. With ``stall_action="exit"`` the first report is followed by a requeue under SLURM (the
 preemption's rules) and the end of the process with ``STALL_EXIT_CODE``, so ``torchrun
---max-restarts`` or the requeued job resumes from the newest checkpoint.
+--max-restarts`` or the requeued job resumes from the newest checkpoint; unless the attempt before
+ended in a stall in the same state at the same step, where the next would stall again: then the
+job is not requeued (the ``exit`` event's ``repeats``). No step of that exit waits on what the
+stuck thread may hold (``EXIT_WRITE_SECONDS``, ``EXIT_DEADLINE_SECONDS``).
 
 Budgets (``stall_timeout="auto"``; a number of seconds is one budget for every state), chosen so
 that a slow but healthy rank is never reported (``AutoBudgets``):
@@ -109,7 +112,7 @@ class Watchdog:
         trainer: Any,
         event_log: EventLog,
         micro: Callable[[], int],
-        requeue: Callable[[Callable[..., None]], None],
+        requeue: Callable[[Callable[..., None], str | None], None],
         exit: Callable[[int], None] = os._exit,
         deadline: Deadline | None = None,
         on_deadline: Callable[[dict[str, Any]], bool] | None = None,
@@ -122,7 +125,7 @@ class Watchdog:
         self.event_log = event_log
         self.micro = micro
         # Under SLURM: the preemption's requeue, its cap and array rules; it records its ``requeue``
-        # event with the callable it is given.
+        # event with the callable it is given, and refuses with the reason it is given.
         self.requeue = requeue
         self._exit = exit
         self._stop = threading.Event()
@@ -290,16 +293,33 @@ class Watchdog:
         words = _LastWords(self.event_log, self._step, self._state)
         words.write_out()
         words.record("warning", "stall", **stall)
+        repeats = self._repeats()
+        refused = None
+        if repeats is not None:
+            refused = (
+                f"the same stall ({self._state} at step {self._step}) ended attempt {repeats}; "
+                "a requeue would resume from the same checkpoint and stall there again"
+            )
         try:
-            self.requeue(words.record)
+            self.requeue(words.record, refused)
         except Exception as exc:
             words.console.append((logging.ERROR, f"trainfsm: requeue after a stall failed: {exc!r}"))
         self.trainer.exit_reason, self.trainer.exit_code = ExitReason.STALLED, code
-        words.record("error", "exit", reason=ExitReason.STALLED, code=code)
+        words.record("error", "exit", reason=ExitReason.STALLED, code=code, repeats=repeats)
         words.show()
         self._exit(code)
         deadline.cancel()  # reached only where ``exit`` returns (tests)
         self.event_log.hand_back()
+
+    def _repeats(self) -> int | None:
+        """The attempt before this one, when the stall exit ended it in this state at this step:
+        the next attempt would resume from the same checkpoint and stall there again."""
+        end = self.event_log.previous_end
+        if end is None or (end.get("event"), end.get("reason")) != ("exit", ExitReason.STALLED):
+            return None
+        if (end.get("step"), end.get("state")) != (self._step, self._state):
+            return None
+        return int(end["attempt"])
 
 
 class _LastWords:

@@ -164,6 +164,7 @@ class EventLog:
         self._last_write = clock()
         self._lock = threading.Lock()
         self._handed_over = False
+        self.previous_end: dict[str, Any] | None = None  # the previous attempt's last event (open_trail)
         # People watching transitions on the console see them as they happen.
         self._batch = 1 if self._console_debug else BATCH
         processors: list[Any] = [self._drain_first, self._add_progress, self._to_console]
