@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,12 +20,12 @@ import pytest
 import torch
 
 from tests.fake_slurm import FakeSlurm
-from tests.helpers import read_events
-from trainfsm import watchdog
+from tests.helpers import TinyTrainer, make_batches, read_events
+from trainfsm import BaseHook, BaseTrainer, watchdog
 from trainfsm.machine import ROUTINE_END, ROUTINE_START, STALL_EXIT_CODE
 from trainfsm.tools import trace
 from trainfsm.trail.writer import EventLog
-from trainfsm.watchdog import Watchdog
+from trainfsm.watchdog import AutoBudgets, Watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,12 +129,13 @@ def test_the_stall_exit_ends_the_process_at_its_deadline_even_when_the_requeue_n
     dog.start()
     try:
         assert ended.wait(10)
+        ((code, when),) = exited
+        lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     finally:
-        never.set()
-    ((code, when),) = exited
+        never.set()  # the test's watchdog goes on (its exit returned): let it finish, then stop it
+        dog.stop()
     assert code == STALL_EXIT_CODE
     assert 0.25 + 1.0 <= when - started < 0.25 + 1.0 + 1.0  # the budget, then the exit's deadline
-    lines = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in lines] == ["stall"]  # written before the requeue that hung
 
 
@@ -279,3 +281,67 @@ def test_a_stall_exit_at_the_same_step_and_state_as_the_attempt_before_is_not_re
         "(the next attempt would resume from the same checkpoint and stall there again)"
     ) in text
 
+
+# ---------------------------------------------------------------- evaluations' own budgets
+# Floors far below every slow part, so the learned budgets carry the tests (as in test_watchdog.py).
+SMALL = AutoBudgets(
+    build=5.0, restore=5.0, first_step=5.0, step_floor=0.05, step_multiple=10.0, checkpoint_floor=0.05, exit=5.0
+)
+
+
+class Paced(TinyTrainer):
+    """Steps of about 20 ms."""
+
+    def forward(self, input: Any) -> Any:
+        time.sleep(0.02)
+        return super().forward(input)
+
+
+class Evaluations(BaseHook):
+    """An evaluation of ``seconds[step]`` at those steps."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        self.seconds = seconds
+
+    def on_evaluate(self, trainer: BaseTrainer) -> None:
+        time.sleep(self.seconds.get(trainer.step, 0.0))
+
+
+def test_a_first_evaluation_far_longer_than_a_step_is_no_stall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its budget is the first evaluation's of a launch (10 minutes), not the steps' (here ~0.3 s)."""
+    monkeypatch.setattr(watchdog, "AUTO", SMALL)
+    trainer = Paced(max_steps=32, batches=make_batches(64), workspace=tmp_path, hooks=[Evaluations({30: 3.0})])
+    trainer.train()
+    assert stalls(read_events(tmp_path)) == []
+
+
+def test_a_later_evaluation_far_longer_than_the_ones_before_is_reported_in_the_evaluation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Learned like the steps': ``evaluation_multiple`` (2 here) x the slowest evaluation so far."""
+    monkeypatch.setattr(watchdog, "AUTO", replace(SMALL, evaluation_multiple=2.0))
+    hooks = [Evaluations({20: 0.5, 30: 3.0})]
+    Paced(max_steps=32, batches=make_batches(64), workspace=tmp_path, hooks=hooks).train()
+    stall, *_ = stalls(read_events(tmp_path))
+    assert (stall["state"], stall["step"], stall["hook"]) == ("ACCUMULATE", 30, "Evaluations.on_evaluate")
+    assert 2 * 0.5 <= stall["budget"] <= 2 * (0.5 + 2 / watchdog.TICKS_PER_SECOND)  # seen to a tick each end
+
+
+def test_evaluation_budgets_follow_the_documented_rules() -> None:
+    dog = Watchdog(
+        timeout="auto",
+        action="record",
+        progress=Mark(),
+        trainer=None,
+        event_log=None,  # type: ignore[arg-type]
+        micro=int,
+        requeue=lambda record, refused: None,
+    )
+    assert dog.budget("ACCUMULATE", evaluating=True) == 600.0  # nothing measured: the first of a launch
+    dog._steps.extend([0.5, 30.0])
+    assert dog.budget("ACCUMULATE", evaluating=True) == 600.0  # still the first evaluation's
+    dog._evaluations.append(20.0)
+    assert dog.budget("ACCUMULATE", evaluating=True) == 300.0  # the step's: 10 x 20 s is less than 10 x 30 s
+    dog._evaluations.append(45.0)
+    assert dog.budget("ACCUMULATE", evaluating=True) == 450.0  # 10 x the slowest evaluation
+    assert dog.budget("ACCUMULATE") == 300.0  # a step's own budget is unchanged

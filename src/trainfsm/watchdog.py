@@ -26,6 +26,9 @@ that a slow but healthy rank is never reported (``AutoBudgets``):
   steps as the watchdog saw them (a step longer than a tick on its own, shorter ones as the mean
   of those between two looks). A validation or a save 5x slower than a step stays
   under it; one slower than that and than 2 minutes is reported, and cleared when it ends.
+- An evaluation (the hooks' ``on_evaluate``, at a step's end; ``Progress.evaluating``): the step's
+  budget, or ``AUTO.first_evaluation`` (10 minutes) for the first of a launch, then
+  ``10 x the slowest evaluation`` if longer: learned like the steps, apart from them.
 - CHECKPOINT: ``max(5 minutes, 4 x the slowest earlier save, the state's bytes at 20 MB/s, 10 x
   the slowest step)``: a save's time grows with its bytes and the file system's worst days.
 
@@ -87,6 +90,8 @@ class AutoBudgets:
     step_floor: float = 120.0
     step_multiple: float = 10.0
     step_window: int = 100
+    first_evaluation: float = 600.0
+    evaluation_multiple: float = 10.0
     checkpoint_floor: float = 300.0
     checkpoint_multiple: float = 4.0
     checkpoint_bytes_per_second: float = 20e6
@@ -137,6 +142,8 @@ class Watchdog:
         self._step = 0
         self._reports = 0
         self._steps: deque[float] = deque(maxlen=AUTO.step_window)  # seconds per observed step
+        self._evaluations: deque[float] = deque(maxlen=AUTO.step_window)  # seconds per observed evaluation
+        self._evaluation_began: float | None = None
         self._step_began: float | None = None
         self._saves: list[float] = []
         self._save_began: float | None = None
@@ -178,8 +185,9 @@ class Watchdog:
     # ---------------------------------------------------------------- one look
     def look(self, now: float) -> None:
         """Compare the mark with the last look: learn from a move, report a stall."""
-        moves = self.progress.moves
+        moves, evaluating = self.progress.moves, self.progress.evaluating
         trainer = self.trainer
+        self._time_evaluation(now, evaluating, moves != self._moves)
         if moves != self._moves:
             state, step = trainer.state, trainer.step
             if self._reports:
@@ -197,7 +205,7 @@ class Watchdog:
             self._moves, self._since, self._state, self._step, self._reports = moves, now, state, step, 0
         elif self.stalls:
             stuck = now - self._since
-            budget = self.budget(self._state, stuck)
+            budget = self.budget(self._state, stuck, evaluating)
             if stuck >= budget * (1 << self._reports):
                 self._report(stuck, budget)
         if self.deadline is not None:
@@ -231,15 +239,27 @@ class Watchdog:
             self._saves.append(now - self._save_began)
             self._save_began = None
 
-    def budget(self, state: str, stuck: float = 0.0) -> float:
-        """Seconds this state may go without a transition (``stuck``: how long it has)."""
+    def _time_evaluation(self, now: float, evaluating: bool, moved: bool) -> None:
+        """An evaluation as the watchdog sees it: from its first look inside one to its first look
+        past it (a transition since the last look ends one: an evaluation makes none)."""
+        if self._evaluation_began is not None and (moved or not evaluating):
+            self._evaluations.append(now - self._evaluation_began)
+            self._evaluation_began = None
+        if evaluating and self._evaluation_began is None:
+            self._evaluation_began = now
+
+    def budget(self, state: str, stuck: float = 0.0, evaluating: bool = False) -> float:
+        """Seconds this state may go without a transition (``stuck``: how long it has;
+        ``evaluating``: the trainer is in the hooks' ``on_evaluate``, at a step's end)."""
         if self.fixed is not None:
             return self.fixed
         auto = AUTO
         if state in _STEPPING:
-            if not self._steps:
-                return auto.first_step
-            return max(auto.step_floor, auto.step_multiple * max(self._steps))
+            step = auto.first_step if not self._steps else max(auto.step_floor, auto.step_multiple * max(self._steps))
+            if evaluating:  # learned like the steps, apart from them: a first one has nothing to go by
+                evaluation = auto.evaluation_multiple * max(self._evaluations, default=0.0)
+                return max(step, evaluation if self._evaluations else auto.first_evaluation)
+            return step
         if state == fsm.CHECKPOINT:  # at least a step's budget: a first save has nothing else to go by
             budget = max(
                 auto.checkpoint_floor,
@@ -335,7 +355,9 @@ class _LastWords:
 
     def write_out(self) -> None:
         """What the stuck thread recorded and had not written yet: the trail up to where it stuck."""
-        self.trail = _within(EXIT_WRITE_SECONDS, lambda: self.log.write_out_before_exit(EXIT_WRITE_SECONDS))
+        # The lock's wait ends first: a trainer's thread that holds it (stuck in a console line of its
+        # own) leaves the trail's file free for the lines that follow.
+        self.trail = _within(EXIT_WRITE_SECONDS, lambda: self.log.write_out_before_exit(EXIT_WRITE_SECONDS / 2))
 
     def record(self, level: str, event: str, **fields: Any) -> None:
         record = self.log.thread_record(event, self.step, self.state, **fields)

@@ -68,7 +68,7 @@ _START, _NEXT, _END = ROUTINE_START, ROUTINE_NEXT, ROUTINE_END
 
 class _FileSink:
     """structlog's final "logger": writes rendered lines; flushes all but debug events. Under the
-    log's lock, so that no line follows the stall watchdog's last ones (``hand_over``)."""
+    log's lock, so that no line follows the stall watchdog's last ones (``write_out_before_exit``)."""
 
     def __init__(self, file: IO[bytes], lock: threading.Lock, flushed: Callable[[], None]) -> None:
         self._lock = lock
@@ -125,7 +125,7 @@ class EventLog:
     Threads: a routine step's rows are appended without a lock (atomic under the GIL); whatever
     takes from what was recorded, folds a step into the open run, or writes the file holds
     ``_lock``: once per step, uncontended, except when the stall watchdog takes the trail over
-    (``hand_over``) while the trainer's thread is slow but not stuck.
+    (``write_out_before_exit``) while the trainer's thread is slow but not stuck.
     """
 
     def __init__(
