@@ -120,7 +120,8 @@ class BaseTrainer(fsm.Triggers):
       what it waits in.
     - ``stall_action``: ``"record"`` (default: record the stall and keep waiting) or ``"exit"``
       (record it, requeue under SLURM, and end the process with status 75 and exit reason
-      ``stalled``, so torchrun's restarts or the requeued job resume from the newest checkpoint).
+      ``stalled``, so torchrun's restarts or the requeued job resume from the newest checkpoint;
+      not requeued when the same stall, same state and step, ended the attempt before).
     - ``job_end_margin``: under SLURM with a time limit, leave by the preemption's path (agree,
       save, requeue, exit ``128 + signal``; the trail's ``deadline``) once the time left no longer
       covers the next step, a save, the exit and this margin: ``"auto"`` (default:
