@@ -104,7 +104,7 @@ class Mark:
 def test_the_stall_exit_ends_the_process_at_its_deadline_even_when_the_requeue_never_returns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(watchdog, "EXIT_DEADLINE_SECONDS", 1.0, raising=False)
+    monkeypatch.setattr(watchdog, "EXIT_DEADLINE_SECONDS", 1.0)
     never = threading.Event()
     exited: list[tuple[int, float]] = []
     ended = threading.Event()
