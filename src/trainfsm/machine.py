@@ -265,12 +265,15 @@ def _plan(
 class Progress:
     """The mark the stall watchdog watches (``trainfsm.watchdog``): ``moves`` counts the machine's
     transitions. One attribute write per transition, taken as the state changes; the watchdog
-    thread only reads it, so there is no lock and no clock read on the step's path."""
+    thread only reads it, so there is no lock and no clock read on the step's path.
+    ``evaluating``: the trainer is in the hooks' ``on_evaluate`` (at a step's end, in ACCUMULATE),
+    which the watchdog gives a budget of its own."""
 
-    __slots__ = ("moves",)
+    __slots__ = ("evaluating", "moves")
 
     def __init__(self) -> None:
         self.moves = 0
+        self.evaluating = False
 
 
 class TrainMachine(Machine):

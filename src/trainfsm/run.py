@@ -49,7 +49,7 @@ from trainfsm.machine import ExitReason
 from trainfsm.preemption import slurm, torchelastic
 from trainfsm.preemption.policy import Preemption
 from trainfsm.trail import files
-from trainfsm.trail.files import previous_attempt
+from trainfsm.trail.files import last_event
 from trainfsm.trail.schema import FORMAT_VERSION, new_run_id
 from trainfsm.trail.writer import FLUSH_SECONDS, EventLog
 
@@ -264,8 +264,8 @@ def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, 
     rank, world = collectives.rank_and_world()
     logs = trainer.workspace / files.LOGS if trainer.workspace else None
     path = logs / files.active_name(rank) if logs else None
-    previous = previous_attempt(path) if path else None
-    run_id, attempt = (previous[0], previous[1] + 1) if previous else (new_run_id(), 0)
+    previous = last_event(path) if path else None  # the previous attempt's end
+    run_id, attempt = (str(previous["run_id"]), int(previous["attempt"]) + 1) if previous else (new_run_id(), 0)
     trainer.run_id, trainer.attempt = collectives.share_run_id(run_id, attempt)
     trainer.rank, trainer.world_size = rank, world
     events = EventLog(
@@ -278,6 +278,7 @@ def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, 
         owner=trainer,
         form=trainer.trail_form,
     )
+    events.previous_end = previous
     trainer.events = events.log
     job = slurm.detect()
     if job is not None and rank == 0:  # the job's end: one scontrol call per job, not per rank

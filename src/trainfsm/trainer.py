@@ -120,7 +120,8 @@ class BaseTrainer(fsm.Triggers):
       what it waits in.
     - ``stall_action``: ``"record"`` (default: record the stall and keep waiting) or ``"exit"``
       (record it, requeue under SLURM, and end the process with status 75 and exit reason
-      ``stalled``, so torchrun's restarts or the requeued job resume from the newest checkpoint).
+      ``stalled``, so torchrun's restarts or the requeued job resume from the newest checkpoint;
+      not requeued when the same stall, same state and step, ended the attempt before).
     - ``job_end_margin``: under SLURM with a time limit, leave by the preemption's path (agree,
       save, requeue, exit ``128 + signal``; the trail's ``deadline``) once the time left no longer
       covers the next step, a save, the exit and this margin: ``"auto"`` (default:
@@ -310,10 +311,6 @@ class BaseTrainer(fsm.Triggers):
         if self.stall_timeout is None and deadline is None:
             return None
         event_log = run.event_log
-
-        def record(level: str, event: str, **fields: Any) -> None:
-            event_log.write_from_thread(level, event, self.step, self.state, **fields)
-
         watchdog = Watchdog(
             timeout=self.stall_timeout,
             action=self.stall_action,
@@ -321,7 +318,7 @@ class BaseTrainer(fsm.Triggers):
             trainer=self,
             event_log=event_log,
             micro=lambda: run.micro,
-            requeue=lambda: run.preemption.requeue_after_stall(record),
+            requeue=run.preemption.requeue_after_stall,
             deadline=deadline,
             on_deadline=run.preemption.deadline_reached,
         )
@@ -425,7 +422,12 @@ class BaseTrainer(fsm.Triggers):
         # them is read after and honoured at this step (with one rank).
         stop = False
         if hooks.at_step_end:
-            hooks.evaluate()
+            progress = run.machine.progress
+            progress.evaluating = True  # the stall watchdog times evaluations apart from steps
+            try:
+                hooks.evaluate()
+            finally:
+                progress.evaluating = False
             hooks.step_info(info)  # before any on_after_step reads the step's figures
             stop = hooks.stop_wanted()
         code = run.preemption.at_step_end(self.step)

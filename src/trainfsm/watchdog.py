@@ -11,7 +11,10 @@ micro-batch, seconds, and what the main thread is doing, read from its stack by
 ``trainfsm.activity``), again at 2x, 4x, ... the budget, and ``stall_cleared`` when the rank moves
 again. With ``stall_action="exit"`` the first report is followed by a requeue under SLURM (the
 preemption's rules) and the end of the process with ``STALL_EXIT_CODE``, so ``torchrun
---max-restarts`` or the requeued job resumes from the newest checkpoint.
+--max-restarts`` or the requeued job resumes from the newest checkpoint; unless the attempt before
+ended in a stall in the same state at the same step, where the next would stall again: then the
+job is not requeued (the ``exit`` event's ``repeats``). No step of that exit waits on what the
+stuck thread may hold (``EXIT_WRITE_SECONDS``, ``EXIT_DEADLINE_SECONDS``).
 
 Budgets (``stall_timeout="auto"``; a number of seconds is one budget for every state), chosen so
 that a slow but healthy rank is never reported (``AutoBudgets``):
@@ -23,6 +26,9 @@ that a slow but healthy rank is never reported (``AutoBudgets``):
   steps as the watchdog saw them (a step longer than a tick on its own, shorter ones as the mean
   of those between two looks). A validation or a save 5x slower than a step stays
   under it; one slower than that and than 2 minutes is reported, and cleared when it ends.
+- An evaluation (the hooks' ``on_evaluate``, at a step's end; ``Progress.evaluating``): the step's
+  budget, or ``AUTO.first_evaluation`` (10 minutes) for the first of a launch, then
+  ``10 x the slowest evaluation`` if longer: learned like the steps, apart from them.
 - CHECKPOINT: ``max(5 minutes, 4 x the slowest earlier save, the state's bytes at 20 MB/s, 10 x
   the slowest step)``: a save's time grows with its bytes and the file system's worst days.
 
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -55,6 +62,7 @@ from trainfsm import activity
 from trainfsm import machine as fsm
 from trainfsm.machine import STALL_EXIT_CODE, ExitReason
 from trainfsm.preemption.deadline import UNMEASURED_SAVE_BYTES_PER_SECOND
+from trainfsm.trail.writer import render_console
 
 if TYPE_CHECKING:
     from trainfsm.machine import Progress
@@ -63,6 +71,13 @@ if TYPE_CHECKING:
 
 #: How often the thread looks at the progress mark; a stall is reported at most a tick late.
 TICKS_PER_SECOND: Final = 4
+
+#: ``stall_action="exit"``: the stuck thread may hold what the exit writes to (a full stderr pipe,
+#: a trail on a stalled file system), so each write waits at most ``EXIT_WRITE_SECONDS`` on a
+#: thread of its own, and the process ends ``EXIT_DEADLINE_SECONDS`` after the stall's report
+#: whatever still waits (the requeue's ``scontrol`` has 30 s of it).
+EXIT_WRITE_SECONDS: Final = 3.0
+EXIT_DEADLINE_SECONDS: Final = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +90,8 @@ class AutoBudgets:
     step_floor: float = 120.0
     step_multiple: float = 10.0
     step_window: int = 100
+    first_evaluation: float = 600.0
+    evaluation_multiple: float = 10.0
     checkpoint_floor: float = 300.0
     checkpoint_multiple: float = 4.0
     checkpoint_bytes_per_second: float = 20e6
@@ -100,7 +117,7 @@ class Watchdog:
         trainer: Any,
         event_log: EventLog,
         micro: Callable[[], int],
-        requeue: Callable[[], None],
+        requeue: Callable[[Callable[..., None], str | None], None],
         exit: Callable[[int], None] = os._exit,
         deadline: Deadline | None = None,
         on_deadline: Callable[[dict[str, Any]], bool] | None = None,
@@ -112,7 +129,9 @@ class Watchdog:
         self.trainer = trainer
         self.event_log = event_log
         self.micro = micro
-        self.requeue = requeue  # under SLURM: the preemption's requeue, its cap and array rules
+        # Under SLURM: the preemption's requeue, its cap and array rules; it records its ``requeue``
+        # event with the callable it is given, and refuses with the reason it is given.
+        self.requeue = requeue
         self._exit = exit
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -123,6 +142,8 @@ class Watchdog:
         self._step = 0
         self._reports = 0
         self._steps: deque[float] = deque(maxlen=AUTO.step_window)  # seconds per observed step
+        self._evaluations: deque[float] = deque(maxlen=AUTO.step_window)  # seconds per observed evaluation
+        self._evaluation_began: float | None = None
         self._step_began: float | None = None
         self._saves: list[float] = []
         self._save_began: float | None = None
@@ -164,8 +185,9 @@ class Watchdog:
     # ---------------------------------------------------------------- one look
     def look(self, now: float) -> None:
         """Compare the mark with the last look: learn from a move, report a stall."""
-        moves = self.progress.moves
+        moves, evaluating = self.progress.moves, self.progress.evaluating
         trainer = self.trainer
+        self._time_evaluation(now, evaluating, moves != self._moves)
         if moves != self._moves:
             state, step = trainer.state, trainer.step
             if self._reports:
@@ -183,7 +205,7 @@ class Watchdog:
             self._moves, self._since, self._state, self._step, self._reports = moves, now, state, step, 0
         elif self.stalls:
             stuck = now - self._since
-            budget = self.budget(self._state, stuck)
+            budget = self.budget(self._state, stuck, evaluating)
             if stuck >= budget * (1 << self._reports):
                 self._report(stuck, budget)
         if self.deadline is not None:
@@ -217,15 +239,27 @@ class Watchdog:
             self._saves.append(now - self._save_began)
             self._save_began = None
 
-    def budget(self, state: str, stuck: float = 0.0) -> float:
-        """Seconds this state may go without a transition (``stuck``: how long it has)."""
+    def _time_evaluation(self, now: float, evaluating: bool, moved: bool) -> None:
+        """An evaluation as the watchdog sees it: from its first look inside one to its first look
+        past it (a transition since the last look ends one: an evaluation makes none)."""
+        if self._evaluation_began is not None and (moved or not evaluating):
+            self._evaluations.append(now - self._evaluation_began)
+            self._evaluation_began = None
+        if evaluating and self._evaluation_began is None:
+            self._evaluation_began = now
+
+    def budget(self, state: str, stuck: float = 0.0, evaluating: bool = False) -> float:
+        """Seconds this state may go without a transition (``stuck``: how long it has;
+        ``evaluating``: the trainer is in the hooks' ``on_evaluate``, at a step's end)."""
         if self.fixed is not None:
             return self.fixed
         auto = AUTO
         if state in _STEPPING:
-            if not self._steps:
-                return auto.first_step
-            return max(auto.step_floor, auto.step_multiple * max(self._steps))
+            step = auto.first_step if not self._steps else max(auto.step_floor, auto.step_multiple * max(self._steps))
+            if evaluating:  # learned like the steps, apart from them: a first one has nothing to go by
+                evaluation = auto.evaluation_multiple * max(self._evaluations, default=0.0)
+                return max(step, evaluation if self._evaluations else auto.first_evaluation)
+            return step
         if state == fsm.CHECKPOINT:  # at least a step's budget: a first save has nothing else to go by
             budget = max(
                 auto.checkpoint_floor,
@@ -251,41 +285,107 @@ class Watchdog:
     def _report(self, stuck: float, budget: float) -> None:
         self._reports += 1
         doing = activity.main_thread_activity()
-        if self.action == "exit":  # the process ends: what the stuck thread recorded goes first
-            self.event_log.write_out_before_exit()
         try:
             micro = self.micro()
         except Exception:
             micro = None
-        self.event_log.write_from_thread(
-            "warning",
-            "stall",
-            self._step,
-            self._state,
-            micro=micro,
-            seconds=round(stuck, 3),
-            budget=round(budget, 3),
-            report=self._reports,
-            action=self.action,
+        stall = {
+            "micro": micro,
+            "seconds": round(stuck, 3),
+            "budget": round(budget, 3),
+            "report": self._reports,
+            "action": self.action,
             **doing.as_event(),
-        )
+        }
         if self.action == "exit":
-            self._end(STALL_EXIT_CODE)
+            self._end(STALL_EXIT_CODE, stall)
+        else:
+            self.event_log.write_from_thread("warning", "stall", self._step, self._state, **stall)
 
-    def _end(self, code: int) -> None:
-        """Requeue under SLURM, record the exit, end the process: the main thread is stuck, so
-        nothing of EXIT runs (the trail was flushed line by line; a checkpoint in the making is
-        left as a ``.tmp-*`` that the next RESTORE removes)."""
+    def _end(self, code: int, stall: dict[str, Any]) -> None:
+        """Write out what the stuck thread recorded, the stall, requeue under SLURM, record the
+        exit, end the process: the main thread is stuck, so nothing of EXIT runs (a checkpoint in
+        the making is left as a ``.tmp-*`` that the next RESTORE removes). No step here waits on
+        what the stuck thread may hold (``EXIT_WRITE_SECONDS``, ``EXIT_DEADLINE_SECONDS``)."""
+        deadline = threading.Timer(EXIT_DEADLINE_SECONDS, self._exit, (code,))
+        deadline.daemon = True
+        deadline.start()
+        words = _LastWords(self.event_log, self._step, self._state)
+        words.write_out()
+        words.record("warning", "stall", **stall)
+        repeats = self._repeats()
+        refused = None
+        if repeats is not None:
+            refused = (
+                f"the same stall ({self._state} at step {self._step}) ended attempt {repeats}; "
+                "a requeue would resume from the same checkpoint and stall there again"
+            )
         try:
-            self.requeue()
+            self.requeue(words.record, refused)
         except Exception as exc:
-            self.event_log.console.error("trainfsm: requeue after a stall failed: %r", exc)
+            words.console.append((logging.ERROR, f"trainfsm: requeue after a stall failed: {exc!r}"))
         self.trainer.exit_reason, self.trainer.exit_code = ExitReason.STALLED, code
-        self.event_log.write_from_thread("error", "exit", self._step, self._state, reason=ExitReason.STALLED, code=code)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+        words.record("error", "exit", reason=ExitReason.STALLED, code=code, repeats=repeats)
+        words.show()
         self._exit(code)
+        deadline.cancel()  # reached only where ``exit`` returns (tests)
+        self.event_log.hand_back()
+
+    def _repeats(self) -> int | None:
+        """The attempt before this one, when the stall exit ended it in this state at this step:
+        the next attempt would resume from the same checkpoint and stall there again."""
+        end = self.event_log.previous_end
+        if end is None or (end.get("event"), end.get("reason")) != ("exit", ExitReason.STALLED):
+            return None
+        if (end.get("step"), end.get("state")) != (self._step, self._state):
+            return None
+        return int(end["attempt"])
+
+
+class _LastWords:
+    """What the stall exit writes, none of it waiting on the stuck thread: each trail line on a
+    thread of its own for at most ``EXIT_WRITE_SECONDS`` (none after one that did not finish:
+    its file is the stuck one), and the console's lines last, all at once, in the same bound (a
+    full pipe on stderr holds the console, not the trail)."""
+
+    def __init__(self, event_log: EventLog, step: int, state: str) -> None:
+        self.log, self.step, self.state = event_log, step, state
+        self.trail = True  # the trail's file still takes lines
+        self.console: list[tuple[int, str]] = []
+
+    def write_out(self) -> None:
+        """What the stuck thread recorded and had not written yet: the trail up to where it stuck."""
+        # The lock's wait ends first: a trainer's thread that holds it (stuck in a console line of its
+        # own) leaves the trail's file free for the lines that follow.
+        self.trail = _within(EXIT_WRITE_SECONDS, lambda: self.log.write_out_before_exit(EXIT_WRITE_SECONDS / 2))
+
+    def record(self, level: str, event: str, **fields: Any) -> None:
+        record = self.log.thread_record(event, self.step, self.state, **fields)
+        if self.trail:
+            self.trail = _within(EXIT_WRITE_SECONDS, lambda: self.log.write_line(record))
+        self.console.append((logging.getLevelName(level.upper()), render_console(record)))
+
+    def show(self) -> None:
+        console = self.log.console
+
+        def show_and_flush() -> None:
+            for levelno, text in self.console:
+                if console.isEnabledFor(levelno):
+                    console.log(levelno, "%s", text)
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+
+        _within(EXIT_WRITE_SECONDS, show_and_flush)
+
+
+def _within(seconds: float, work: Callable[[], object]) -> bool:
+    """Run ``work`` on a daemon thread and wait for it at most ``seconds``: whether it finished. A
+    ``work`` that blocks stays blocked on its own thread, which the process's end takes with it."""
+    thread = threading.Thread(target=work, name="trainfsm-watchdog-exit", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()
 
 
 def state_bytes(trainer: Any) -> int:

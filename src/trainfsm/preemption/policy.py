@@ -319,24 +319,28 @@ class Preemption:
         if policy is not None:
             self._requeue_by(policy.requeue, policy.max_requeues, lambda level, **f: getattr(self.log, level)(**f))
 
-    def requeue_after_stall(self, record: Callable[..., None]) -> None:
+    def requeue_after_stall(self, record: Callable[..., None], refused: str | None = None) -> None:
         """The stall watchdog ends the process (``stall_action="exit"``): requeue the SLURM job
         first, from whichever rank stalled, by the exit policy's rules (``requeue``,
         ``max_requeues``; without a policy: batch jobs, no cap). ``record(level, event=...,
-        **fields)`` writes the ``requeue`` event from the watchdog's thread."""
+        **fields)`` writes the ``requeue`` event from the watchdog's thread. ``refused``: why a job
+        these rules would requeue is not (the same stall as the attempt before)."""
         policy = self.policy
         requeue, cap = (policy.requeue, policy.max_requeues) if policy is not None else ("auto", None)
-        self._requeue_by(requeue, cap, record)
+        self._requeue_by(requeue, cap, record, refused)
 
-    def _requeue_by(self, requeue: bool | str, cap: int | None, record: Callable[..., None]) -> None:
+    def _requeue_by(
+        self, requeue: bool | str, cap: int | None, record: Callable[..., None], refused: str | None = None
+    ) -> None:
         job = self.job
         if job is None or requeue is False:
             return
         if requeue == "auto" and not slurm.is_batch_job(job.job_id):
             return
         if cap is not None and job.restart_count >= cap:
-            message = f"not requeued: SLURM_RESTART_COUNT={job.restart_count} reached max_requeues={cap}"
-            record("error", event="requeue", command=None, ok=False, message=message)
+            refused = f"SLURM_RESTART_COUNT={job.restart_count} reached max_requeues={cap}"
+        if refused is not None:
+            record("error", event="requeue", command=None, ok=False, message=f"not requeued: {refused}")
             return
         result = slurm.requeue(job)
         self.requeued = result.ok

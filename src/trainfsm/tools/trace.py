@@ -53,6 +53,7 @@ class _Tail:
     events: deque[Record]
     exceptions: list[Record] = field(default_factory=list)
     collective_failed: bool = False  # this rank failed in a collective because of another rank
+    repeated: Record | None = None  # a stall exit where the attempt before stalled too (its ``repeats``)
 
 
 @dataclass(slots=True)
@@ -84,6 +85,8 @@ def trace(inputs: Iterable[Path], events: int = DEFAULT_EVENTS) -> TraceReport:
             tail.exceptions.append(record)
         elif record.name == "collective_failed":
             tail.collective_failed = True
+        elif record.name == "exit" and record.data.get("repeats") is not None:
+            tail.repeated = record
 
     report = audit_trail(open_trail(inputs), observe=observe)
     return TraceReport(report, tails)
@@ -132,6 +135,14 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
     lines = [f"attempt {attempt.attempt}: {outcome}"]
     story = _stall_story(attempt)
     lines.extend(story)
+    for rank in attempt.ranks:
+        repeated = report.tails[(attempt.attempt, rank.rank)].repeated
+        if repeated is not None:
+            lines.append(
+                f"  repeated: rank {rank.rank} stalled in {position(repeated.state, repeated.step)} as attempt "
+                f"{repeated.data['repeats']} did: not requeued (the next attempt would resume from the same "
+                "checkpoint and stall there again)"
+            )
     cause = None if story else _cause(report, attempt)  # a stall's story names the cause itself
     if cause is not None:
         lines.append(cause)

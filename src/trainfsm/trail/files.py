@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, Any, Final
 
 #: The file being written is closed and compressed once it holds this many bytes.
 SEGMENT_BYTES: Final = 64 << 20
@@ -126,21 +126,22 @@ def unfinished(active: Path) -> list[Path]:
     return [p for p in closed_segments(active) if not p.name.endswith(COMPRESSED)]
 
 
-def previous_attempt(path: Path) -> tuple[str, int] | None:
-    """(run_id, attempt) of the last complete event in an existing trail, or None.
+def last_event(path: Path) -> dict[str, Any] | None:
+    """The last complete event of an existing trail (one with a run id and an attempt), or None:
+    the previous attempt's end (the stall watchdog compares a stall with it).
 
     Reads only the tail of the file being written, or of the last closed segment when that file
     is empty (a process killed right after rotating): trails of week-long runs are large. A
     truncated last line (a killed writer) is skipped.
     """
     for file in reversed(files_of(path)):
-        found = _last_attempt_in(file)
+        found = _last_event_in(file)
         if found is not None:
             return found
     return None
 
 
-def _last_attempt_in(path: Path) -> tuple[str, int] | None:
+def _last_event_in(path: Path) -> dict[str, Any] | None:
     with open_segment(path) as f:
         if path.name.endswith(COMPRESSED):
             tail = f.read()[-(1 << 16) :].splitlines()  # a closed segment: bounded by SEGMENT_BYTES
@@ -155,5 +156,5 @@ def _last_attempt_in(path: Path) -> tuple[str, int] | None:
         except ValueError:
             continue
         if isinstance(event, dict) and "attempt" in event and "run_id" in event:
-            return str(event["run_id"]), int(event["attempt"])
+            return event
     return None

@@ -323,7 +323,9 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "`reason` (`completed`, `preempted`, `failed`, `stopped`, `interrupted`, `stalled`), `code`: the "
         "status the process exits with (the shell's `$?`): 130 for Ctrl-C (`interrupted`: Python ends "
         "itself with SIGINT), a `SystemExit`'s own code (`stopped` when 0), 75 for `stalled` (the stall "
-        'watchdog ended the process, `stall_action="exit"`: written by its thread, with `by`)',
+        'watchdog ended the process, `stall_action="exit"`: written by its thread, with `by` and `repeats`, '
+        "the attempt before when it stalled in the same state at the same step, so the job is not requeued, "
+        "else null)",
         "the last event of a launch",
     ),
 }

@@ -67,21 +67,27 @@ _START, _NEXT, _END = ROUTINE_START, ROUTINE_NEXT, ROUTINE_END
 
 
 class _FileSink:
-    """structlog's final "logger": writes rendered lines; flushes all but transitions."""
+    """structlog's final "logger": writes rendered lines; flushes all but debug events. Under the
+    log's lock, so that no line follows the stall watchdog's last ones (``write_out_before_exit``)."""
 
-    def __init__(self, file: IO[bytes], flushed: Callable[[], None]) -> None:
-        self._flushed = flushed
+    def __init__(self, file: IO[bytes], lock: threading.Lock, flushed: Callable[[], None]) -> None:
+        self._lock = lock
+        self._flushed = flushed  # called with the lock held
         self.info = self.warning = self.error = self.critical = self._write_flush
         self.retarget(file)
 
     def retarget(self, file: IO[bytes]) -> None:
         self._file = file
-        self.debug = file.write  # transitions: buffered
+
+    def debug(self, line: bytes) -> None:
+        with self._lock:
+            self._file.write(line)
 
     def _write_flush(self, line: bytes) -> None:
-        self._file.write(line)
-        self._file.flush()
-        self._flushed()
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+            self._flushed()
 
 
 class _NullSink:
@@ -115,6 +121,11 @@ class EventLog:
     written as one ``steps`` record when something else is written or ``FLUSH_SECONDS`` passed.
     Every other transition is recorded as (time, step, row) and rendered verbatim in batches,
     always before any other event, so the file's order is the order things happened.
+
+    Threads: a routine step's rows are appended without a lock (atomic under the GIL); whatever
+    takes from what was recorded, folds a step into the open run, or writes the file holds
+    ``_lock``: once per step, uncontended, except when the stall watchdog takes the trail over
+    (``write_out_before_exit``) while the trainer's thread is slow but not stuck.
     """
 
     def __init__(
@@ -151,12 +162,15 @@ class EventLog:
         self._step_rows: list[tuple[float, int, tuple[str, str, str]]] = []  # the routine step in flight
         self._run: _Run | None = None
         self._last_write = clock()
+        self._lock = threading.Lock()
+        self._handed_over = False
+        self.previous_end: dict[str, Any] | None = None  # the previous attempt's last event (open_trail)
         # People watching transitions on the console see them as they happen.
         self._batch = 1 if self._console_debug else BATCH
         processors: list[Any] = [self._drain_first, self._add_progress, self._to_console]
         if self._file is not None:
             processors.append(self._render)
-            self._sink: _FileSink | None = _FileSink(self._file, self._flushed)
+            self._sink: _FileSink | None = _FileSink(self._file, self._lock, self._flushed)
         else:
             processors.append(self._discard)
             self._sink = None
@@ -182,13 +196,14 @@ class EventLog:
 
         def record() -> None:
             now = clock()
-            if self._run is not None or self._step_rows:
-                self._spill()
-            append((now, owner.step, row))  # the state is ``dest``: no need to read it
-            if now - self._last_write >= FLUSH_SECONDS or now < self._last_write:
-                self.write_out()
-            elif len(pending) >= batch:
-                self.drain()
+            with self._lock:
+                if self._run is not None or self._step_rows:
+                    self._spill()
+                append((now, owner.step, row))  # the state is ``dest``: no need to read it
+                if now - self._last_write >= FLUSH_SECONDS or now < self._last_write:
+                    self._write_out()
+                elif len(pending) >= batch:
+                    self._drain()
 
         return record
 
@@ -218,34 +233,40 @@ class EventLog:
         step = self._owner.step
         if self._console_debug:
             self._show(now, step, _END)
-        rows = self._step_rows
-        if rows and rows[0][2] is _START:
-            run = self._run
-            if run is not None and run.micro == len(rows) and run.last + 1 == step:
-                run.times.append(now)
-                run.last = step
-            else:
-                if run is not None:
-                    self._pending.append(self._render_run(run))
-                self._run = _Run(step, len(rows), rows[0][0], now)
-            rows.clear()
-        else:  # part of the step was written already (an event came in between): verbatim
-            rows.append((now, step, _END))
-            self._spill()
-        if now - self._last_write >= FLUSH_SECONDS or now < self._last_write:
-            self.write_out()
+        with self._lock:  # the stall watchdog may be taking the step's rows and the run
+            rows = self._step_rows
+            if rows and rows[0][2] is _START:
+                run = self._run
+                if run is not None and run.micro == len(rows) and run.last + 1 == step:
+                    run.times.append(now)
+                    run.last = step
+                else:
+                    if run is not None:
+                        self._pending.append(self._render_run(run))
+                    self._run = _Run(step, len(rows), rows[0][0], now)
+                rows.clear()
+            else:  # part of the step was written already (an event came in between): verbatim
+                rows.append((now, step, _END))
+                self._spill()
+            if now - self._last_write >= FLUSH_SECONDS or now < self._last_write:
+                self._write_out()
 
     def _spill(self) -> None:
-        """The open run as its record, then the step in flight's rows verbatim, into ``_pending``."""
+        """The open run as its record, then the step in flight's rows verbatim, into ``_pending``
+        (with the lock held)."""
         if self._run is not None:
             self._pending.append(self._render_run(self._run))
             self._run = None
-        if self._step_rows:
+        rows = self._step_rows
+        if rows:
+            # Taken as a slice, then deleted by count: the trainer's thread appends its rows
+            # without the lock, and a row it appends between the two stays for the next spill.
+            taken = rows[:]
+            del rows[: len(taken)]
             if self._console_debug:  # shown as they happened: not again
-                self._pending.extend((*row, True) for row in self._step_rows)
+                self._pending.extend((*row, True) for row in taken)
             else:
-                self._pending.extend(self._step_rows)
-            self._step_rows.clear()
+                self._pending.extend(taken)
 
     def _render_run(self, run: _Run) -> bytes:
         times = run.times
@@ -266,6 +287,10 @@ class EventLog:
     def drain(self) -> None:
         """Write everything recorded (runs as ``steps`` records, other transitions verbatim) to
         the file's buffer, oldest first, and show on the console at DEBUG what it has not shown."""
+        with self._lock:
+            self._drain()
+
+    def _drain(self) -> None:
         self._spill()
         if not self._pending:
             return
@@ -288,7 +313,11 @@ class EventLog:
 
     def write_out(self) -> None:
         """Drain and flush to the file (the bound on what a SIGKILL loses); rotate when it is full."""
-        self.drain()
+        with self._lock:
+            self._write_out()
+
+    def _write_out(self) -> None:
+        self._drain()
         self._last_write = self._clock()
         file = self._file
         if file is None:
@@ -298,7 +327,7 @@ class EventLog:
             self._rotate()
 
     def _flushed(self) -> None:
-        """A decision event was written and flushed."""
+        """A decision event was written and flushed (with the lock held)."""
         self._last_write = self._clock()
         if self._file is not None and self._file.tell() >= self.segment_bytes:
             self._rotate()
@@ -356,20 +385,25 @@ class EventLog:
         return b""
 
     def write_from_thread(self, level: str, event: str, step: int, state: str, **fields: Any) -> None:
-        """An event from another thread (the stall watchdog) while the trainer's thread is stuck.
+        """An event from another thread (the stall watchdog) while the trainer's thread is stuck:
+        ``thread_record``, ``write_line`` (the trail first: the console may be the stuck stream),
+        then ``show``."""
+        record = self.thread_record(event, step, state, **fields)
+        self.write_line(record)
+        self.show(level, record)
 
-        Rendered here and written to the file with a flush of its own, past the in-memory queue:
-        that queue is the trainer's thread's, unlocked on purpose (the step's path takes no lock).
-        The file object serializes the two threads' writes line by line. Such an event may precede
-        in the file transitions the trainer's thread recorded but had not written yet (the step in
-        flight, or under ``FLUSH_SECONDS`` of steps): the reader takes it as out of band
-        (``trainfsm.trail.schema.OUT_OF_BAND``), and its own ``step`` and ``state`` say where the
-        trainer was."""
+    def thread_record(self, event: str, step: int, state: str, **fields: Any) -> dict[str, Any]:
         record = {"ts": self._clock(), "event": event, **self._common, "step": step, "state": state, **fields}
         record[BY] = WATCHDOG
-        levelno = logging.getLevelName(level.upper())
-        if self.console.isEnabledFor(levelno):
-            self.console.log(levelno, "%s", render_console(record))
+        return record
+
+    def write_line(self, record: dict[str, Any]) -> None:
+        """Write and flush one line from another thread, past the in-memory queue, which is the
+        trainer's thread's. The file object serializes the two threads' writes line by line. Such an
+        event may precede in the file transitions the trainer's thread recorded but had not written
+        yet (the step in flight, or under ``FLUSH_SECONDS`` of steps): the reader takes it as out of
+        band (``trainfsm.trail.schema.OUT_OF_BAND``), and its own ``step`` and ``state`` say where the
+        trainer was."""
         line = _dumps(record)
         for _ in range(200):
             file = self._file
@@ -382,13 +416,32 @@ class EventLog:
             except ValueError:  # closed by a rotation between reading _file and writing: the next one
                 time.sleep(0.005)
 
-    def write_out_before_exit(self) -> None:
+    def show(self, level: str, record: dict[str, Any]) -> None:
+        levelno = logging.getLevelName(level.upper())
+        if self.console.isEnabledFor(levelno):
+            self.console.log(levelno, "%s", render_console(record))
+
+    def write_out_before_exit(self, timeout: float = 2.0) -> bool:
         """From another thread, just before it ends the process (the stall watchdog's ``exit``):
-        write out what the trainer's thread recorded, so the trail goes up to where it stuck
-        rather than losing its last steps as a SIGKILL would. The queue is the trainer's thread's
-        and unlocked: safe only because that thread is stuck and the process ends right after."""
+        take the trail over and write out what the trainer's thread recorded, so the trail goes up
+        to where it stuck rather than losing its last steps as a SIGKILL would.
+
+        The lock is taken with ``timeout`` (False: the trainer's thread holds it, stuck in a write
+        of its own; nothing is written out) and kept: a trainer's thread that was only slow waits
+        at its next write, so nothing it recorded is written twice or lost before the handover,
+        and no line of its follows the caller's last ones. ``hand_back`` returns it (tests)."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._handed_over = True
         with contextlib.suppress(Exception):  # a trail that cannot be written must not keep the process alive
-            self.write_out()
+            self._write_out()
+        return True
+
+    def hand_back(self) -> None:
+        """Undo ``write_out_before_exit`` (for a caller whose process did not end after all)."""
+        if self._handed_over:
+            self._handed_over = False
+            self._lock.release()
 
     def exception(self, exc: BaseException) -> None:
         """The ``exception`` event, with the full traceback (a failure in ``train()`` or in EXIT)."""
@@ -397,11 +450,12 @@ class EventLog:
         )
 
     def close(self) -> None:
-        self.drain()
-        if self._file is not None:
-            self._file.flush()
-            self._file.close()
-            self._file = None
+        with self._lock:
+            self._drain()
+            if self._file is not None:
+                self._file.flush()
+                self._file.close()
+                self._file = None
         if self._compressing is not None:
             self._compressing.join()
             self._compressing = None
