@@ -20,6 +20,8 @@ import torch
 from tests.fake_slurm import FakeSlurm
 from tests.helpers import TinyTrainer, read_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
+from trainfsm.checkpoint import io as checkpoint_io
+from trainfsm.checkpoint.background import WriteTimes
 from trainfsm.preemption import deadline
 from trainfsm.preemption.deadline import AUTO_MARGIN_FLOOR, AUTO_MARGIN_SHARE, EXIT_SECONDS, Deadline
 from trainfsm.preemption.signals import DEADLINE, SignalWatcher
@@ -51,8 +53,33 @@ def quick_exit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(deadline, "EXIT_SECONDS", 0.5)
 
 
-def trainer(workspace: Path, steps: int, slow: float = 0.01, **kwargs: Any) -> TinyTrainer:
-    hooks = [CheckpointingHook(interval=1000), Slow(slow, kwargs.pop("at_step", None))]
+@pytest.fixture
+def slow_writes(monkeypatch: pytest.MonkeyPatch) -> float:
+    """A file system on which each save's model.pt takes 2 s to become durable (its fsync); RESTORE's
+    probe and room are not saves. Returns the seconds."""
+    seconds = 2.0
+    sync = checkpoint_io.DurableWriter.sync
+
+    def slow_sync(self: Any) -> None:
+        if self._path.name == "model.pt":
+            time.sleep(seconds)
+        sync(self)
+
+    monkeypatch.setattr(checkpoint_io.DurableWriter, "sync", slow_sync)
+    return seconds
+
+
+def trainer(
+    workspace: Path,
+    steps: int,
+    slow: float = 0.01,
+    save_at: tuple[int, ...] = (),
+    async_save: bool = False,
+    **kwargs: Any,
+) -> TinyTrainer:
+    """``save_at``: steps that save besides the run's end (``keep_steps``)."""
+    saves = CheckpointingHook(interval=1000, keep_steps=save_at, async_save=async_save)
+    hooks = [saves, Slow(slow, kwargs.pop("at_step", None))]
     return TinyTrainer(max_steps=steps, workspace=workspace, hooks=hooks, **kwargs)
 
 
@@ -103,6 +130,22 @@ def test_the_deadline_adds_the_steps_a_save_the_exit_and_the_margin() -> None:
     large = Deadline(1000.0, None, 2).due(999.0, step=100.0, save=200.0)
     assert large is not None and large["margin"] == AUTO_MARGIN_SHARE * (200.0 + 200.0 + EXIT_SECONDS)
     assert Deadline.for_job(None, "auto", 1) is None and Deadline.for_job(1000.0, None, 1) is None
+
+
+def test_an_asynchronous_saves_write_counts_and_so_does_the_rest_of_one_in_flight() -> None:
+    """EXIT waits for the write of the preemption's save, and its CHECKPOINT first waits for a write
+    still in flight: the background writer's clock gives both (at the slowest write's rate)."""
+    clock = WriteTimes()
+    assert clock.unwritten(now=100.0) == (0.0, 0.0)  # nothing written yet
+    clock.slowest = 3.0
+    assert clock.unwritten(now=100.0) == (3.0, 0.0)
+    clock.began = 99.0  # a write in flight for 1 s: 2 s to go, then the next save's 3 s
+    assert clock.unwritten(now=100.0) == (3.0, 2.0)
+    assert clock.unwritten(now=104.0) == (5.0, 0.0)  # slower than any before: the next may be as slow
+    needed = 1 * 0.5 + 0.01 + 5.0 + EXIT_SECONDS + 1.0
+    figures = Deadline(1000.0, 1.0, 1).due(1000.0 - needed + 0.01, step=0.5, save=0.01, write=5.0)
+    assert figures is not None and figures["needed"] == round(needed, 3) and figures["write_seconds"] == 5.0
+    assert Deadline(1000.0, 1.0, 1).due(1000.0 - needed - 0.01, step=0.5, save=0.01, write=5.0) is None
 
 
 def test_the_end_time_is_read_from_scontrols_output() -> None:
@@ -201,6 +244,35 @@ def test_the_trainer_leaves_by_the_preemption_path_before_the_jobs_end_and_resum
     straight = trainer(tmp_path / "straight", steps=1000, slow=0.0, job_end_margin=None)
     straight.train()
     assert all(torch.equal(a, b) for a, b in zip(parameters(second), parameters(straight), strict=True))
+
+
+@pytest.mark.usefixtures("quick_exit")
+@pytest.mark.parametrize("async_save", [False, True], ids=["synchronous", "asynchronous"])
+def test_with_slow_writes_the_last_checkpoint_is_durable_and_the_job_requeued_before_its_end(
+    tmp_path: Path, fake_slurm: FakeSlurm, slow_writes: float, async_save: bool
+) -> None:
+    """Each save's write takes 2 s; a save at step 2 measures it. With ``async_save`` the
+    CHECKPOINT state only stages the state (milliseconds) and EXIT waits for the write: the deadline
+    counts the write as the background writer measured it (``write_seconds``), so the preemption's
+    checkpoint is durable, the job requeued and the process gone before the job's end, as with
+    synchronous saves."""
+    workspace = tmp_path / "run"
+    end = fake_slurm.end_in(10.0)
+    run = trainer(workspace, steps=100_000, save_at=(2,), async_save=async_save, job_end_margin=0.25)
+    with pytest.raises(SystemExit) as info:
+        run.train()
+    events = read_events(workspace)
+    timeline = [(e["event"], e["step"], round(end - e["ts"], 3)) for e in events if e["event"] != "transition"]
+    assert info.value.code == 128 + signal.SIGTERM
+    [agreed] = [e for e in events if e["event"] == "signal_agreed"]
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert saved[0]["saved_step"] == 2 and saved[-1]["saved_step"] == agreed["agreed_step"]
+    [requeue] = [e for e in events if e["event"] == "requeue"]
+    assert saved[-1]["ts"] < requeue["ts"] < events[-1]["ts"] < end, timeline
+    assert fake_slurm.requeued() == ["4242"] and events[-1]["event"] == "exit"
+    [made] = [e for e in events if e["event"] == "deadline"]
+    assert made["save_measured"] and made["save_seconds"] + made["write_seconds"] >= slow_writes
+    assert made["write_seconds"] >= slow_writes if async_save else made["write_seconds"] == 0.0
 
 
 @pytest.mark.usefixtures("quick_exit")

@@ -324,6 +324,7 @@ class BaseTrainer(fsm.Triggers):
             requeue=lambda: run.preemption.requeue_after_stall(record),
             deadline=deadline,
             on_deadline=run.preemption.deadline_reached,
+            writes=lambda: run.hooks.background_writes,
         )
         watchdog.start()
         return watchdog

@@ -123,6 +123,7 @@ class CheckpointingHook(BaseHook):
         self._step_in_store: int | None = None  # the step last saved or loaded: never written twice
         self._saver: Saver | None = None  # made in RESTORE, with the store
         self._background: BackgroundSaves[SaveResult] = BackgroundSaves()
+        self.background_writes = self._background.times if async_save else None
         self.checksum = check_checksum("CheckpointingHook", checksum)
 
     # ------------------------------------------------------------------ RESTORE

@@ -9,7 +9,7 @@ knows the job's end (``SlurmJob.end_time``, read from SLURM when ``train()`` beg
 watchdog's thread measures the run's own steps and saves; at each of its looks (4 a second: no
 clock read on the step's path) it asks ``Deadline.due``. When::
 
-    time left < steps x step + save + exit + margin
+    time left < steps x step + save + write + exit + margin
 
 it raises the pending "signal" as if the exit policy's first signal had arrived
 (``Preemption.deadline_reached``; the watcher's ``DEADLINE`` bit says that none did). The machine
@@ -25,6 +25,11 @@ The figures:
   or an interval's save counts with it);
 - ``save``: the slowest save the watchdog saw in this attempt; before the first one, the state's
   bytes at ``UNMEASURED_SAVE_BYTES_PER_SECOND`` (the slowest rate the watchdog plans for);
+- ``write``: with ``async_save``, what the save still writes once CHECKPOINT has staged it, and
+  EXIT waits for before the requeue: the slowest write of the attempt as the background writer
+  timed it (``checkpoint.background.WriteTimes``; CHECKPOINT alone is the staging, milliseconds),
+  plus the rest of a write in flight, which the preemption's CHECKPOINT waits for first; 0 for
+  synchronous saves;
 - ``exit``: ``EXIT_SECONDS``, for EXIT's hooks, ``scontrol requeue``, the trail's close and the
   interpreter's end;
 - ``margin``: ``job_end_margin`` seconds, or with ``"auto"`` the larger of ``AUTO_MARGIN_FLOOR``
@@ -65,10 +70,13 @@ class Deadline:
             return None
         return cls(end_time, None if margin == "auto" else float(margin), 2 if world > 1 else 1)
 
-    def due(self, now: float, step: float, save: float, save_measured: bool = True) -> dict[str, Any] | None:
+    def due(
+        self, now: float, step: float, save: float, save_measured: bool = True, write: float = 0.0
+    ) -> dict[str, Any] | None:
         """The figures for the trail's ``deadline`` event when it is time to leave, else None
-        (``save_measured``: False when ``save`` is the estimate from the state's bytes)."""
-        way_out = self.steps * step + save + EXIT_SECONDS
+        (``save_measured``: False when ``save`` is the estimate from the state's bytes; ``write``:
+        what an asynchronous save still writes after CHECKPOINT, which EXIT waits for)."""
+        way_out = self.steps * step + save + write + EXIT_SECONDS
         margin = self.margin if self.margin is not None else max(AUTO_MARGIN_FLOOR, AUTO_MARGIN_SHARE * way_out)
         left = self.end_time - now
         if left >= way_out + margin:
@@ -82,6 +90,7 @@ class Deadline:
             "step_seconds": round(step, 3),
             "save_seconds": round(save, 3),
             "save_measured": save_measured,
+            "write_seconds": round(write, 3),
             "exit_seconds": EXIT_SECONDS,
             "margin": round(margin, 3),
         }
