@@ -201,8 +201,9 @@ class Watchdog:
         for clock in clocks:
             needs, first = clock.unwritten(now)  # the save's write, and the rest of one in flight
             write += needs + first
-        # An asynchronous CHECKPOINT is over in milliseconds, often between two looks: its writes count.
-        measured = bool(self._saves) or any(clock.slowest for clock in clocks)
+        # An asynchronous CHECKPOINT is over in milliseconds, often between two looks: its writes
+        # say whether a save was measured (one still in flight, the first, was not: the estimate).
+        measured = all(clock.slowest for clock in clocks) if clocks else bool(self._saves)
         if measured:
             save = max(self._saves, default=0.0)
         else:
