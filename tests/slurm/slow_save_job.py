@@ -1,5 +1,6 @@
 """A training job whose checkpoints take ``--write-seconds`` to become durable, for the job's end
-with asynchronous saves.
+with asynchronous saves, and whose rank 0 reads the job's end again every ``--reread-seconds``
+(a minute by default), for a time limit changed during the run.
 
 The file system is slow: each save's ``model.pt`` waits ``--write-seconds`` in its fsync (RESTORE's
 probe and room are not saves), on the thread that writes it, the background writer's with
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write-seconds", type=float, default=8.0)
     parser.add_argument("--job-end-margin", type=float, default=1.0)
     parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--reread-seconds", type=float)
     args = parser.parse_args(argv)
 
     import torch
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> None:
         sync(self)
 
     io.DurableWriter.sync = slow_sync  # type: ignore[method-assign]
+    if args.reread_seconds is not None:
+        from trainfsm.preemption import slurm
+
+        setattr(slurm, "REREAD_SECONDS", args.reread_seconds)  # noqa: B010 (a Final, changed for a test)
 
     class Trainer(BaseTrainer):
         def build_data_loader(self) -> Any:

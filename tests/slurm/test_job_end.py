@@ -284,3 +284,28 @@ def test_with_asynchronous_saves_slower_than_the_exit_each_attempt_is_saved_and_
     report = json.loads(audit(workspace, "--json").stdout)
     assert report["consistent"] and report["ended_well"], report["problems"] + report["run_problems"]
     assert same_parameters(workspace, straight, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_time_limit_shortened_during_the_job_moves_the_deadline_and_the_attempt_leaves_before_the_new_end(
+    slurm_cluster: SlurmCluster, submit: Callable[..., tuple[str, Path]]
+) -> None:
+    """``--time=3`` and about 70 s of steps; once the first attempt trains, ``scontrol update
+    TimeLimit=1`` brings the job's end to a minute after its start. Rank 0 reads the end again (every
+    2 s here; a minute by default) and leaves by its deadline before the new end: saved, requeued,
+    exit 143. The next attempt, with the one-minute limit, completes; the job ends COMPLETED."""
+    args = ("--steps", "1400", "--interval", "1000", "--write-seconds", "0", "--reread-seconds", "2")
+    job_id, workspace = submit("3", *args, "--job-end-margin", "1", script=SLOW_SAVES)
+    wait_for(lambda: any(e["event"] == "restore" for e in events(workspace)), 90, f"training\n{slurm_cluster.logs()}")
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=1")
+    moved = end_time(slurm_cluster, job_id)
+    job = slurm_cluster.wait_state(job_id, "COMPLETED", timeout=300)  # fails at once on TIMEOUT
+    assert job["Restarts"] == "1"
+    first = [e for e in events(workspace) if e["attempt"] == 0]
+    assert first[0]["slurm"]["end_time"] == moved + 120  # three minutes at the start
+    [made] = [e for e in first if e["event"] == "deadline"]
+    assert made["end_time"] == moved and made["step"] > 0
+    requeue = next(e for e in first if e["event"] == "requeue")
+    assert requeue["ok"] and (first[-1]["reason"], first[-1]["code"]) == ("preempted", 143)
+    assert first[-1]["ts"] < moved
+    print(f"end moved 120 s earlier; deadline at step {made['step']}, exit {moved - first[-1]['ts']:.1f} s before it")
