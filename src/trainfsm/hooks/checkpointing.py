@@ -43,8 +43,9 @@ class CheckpointingHook(BaseHook):
     ``async_save`` stages the state to CPU memory and writes it on a background thread while
     training goes on: at most one save in flight, a failure raises at the next step or at EXIT, and
     EXIT waits until the last save is durable (the job's end under SLURM plans for that wait, with
-    the writes' times as the writer thread measured them). The CPU copy is kept from one save to the next, which
-    copies into it again (one copy of the state stays in host memory from the first save on).
+    the writes' times as the writer thread measured them). The CPU copy is kept from one save to
+    the next, which copies into it again (one copy of the state stays in host memory from the first
+    save on).
 
     ``sharded`` says how a model state split over ranks (FSDP2 ``fully_shard`` with the default
     ``state_dict_options``) is saved: ``"auto"`` (default) writes a sharded checkpoint exactly then,

@@ -31,10 +31,10 @@ _END_TIME = re.compile(r"(?:^|\s)EndTime=(\S+)")
 _TIME_LIMIT = re.compile(r"(?:^|\s)TimeLimit=(\S+)")
 
 #: How often rank 0 reads the job's end again while it watches it (``JobEnd``). Each read is one
-#: ``scontrol`` process (about 10 ms of the node's time, off the step's path) and one RPC to
-#: ``slurmctld``, which every job of the cluster shares: once a minute is the polling rate SLURM's
-#: users are asked to stay under. A limit changed less than a minute (plus the way out) before its
-#: new end may be seen too late; one moved later is seen within a minute.
+#: ``scontrol`` process (about 10 ms of the node's time, on a thread of its own, never on the step's
+#: path) and one request to ``slurmctld``, which every job of the cluster shares: once a minute is
+#: one request per job a minute, however fast its steps. A limit changed to less than a minute (plus
+#: the way out) from now may be seen too late; an end moved later is seen within a minute.
 REREAD_SECONDS: Final = 60.0
 
 
