@@ -14,7 +14,12 @@ import pytest
 SCONTROL = """#!/bin/sh
 # A stand-in for SLURM's scontrol: "show job -o ID" prints EndTime from $FAKE_SLURM/end (epoch seconds
 # when SLURM_TIME_FORMAT=%s, else SLURM's default local time), "requeue ID" is logged. Every call too.
+# With $FAKE_SLURM/down present it fails as scontrol does when slurmctld does not answer.
 echo "$SLURM_TIME_FORMAT|$*" >>"$FAKE_SLURM/calls"
+if [ -e "$FAKE_SLURM/down" ]; then
+  echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2
+  exit 1
+fi
 case "$1" in
 show)
   end=$(cat "$FAKE_SLURM/end")
@@ -49,6 +54,14 @@ class FakeSlurm:
         end = math.floor(when)
         (self.dir / "end").write_text(str(end))
         return float(end)
+
+    def controller_down(self, down: bool = True) -> None:
+        """From now on every ``scontrol`` call fails (``down``), or answers again."""
+        flag = self.dir / "down"
+        if down:
+            flag.touch()
+        else:
+            flag.unlink(missing_ok=True)
 
     def calls(self) -> list[str]:
         path = self.dir / "calls"

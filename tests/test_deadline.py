@@ -20,10 +20,12 @@ import torch
 from tests.fake_slurm import FakeSlurm
 from tests.helpers import TinyTrainer, read_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
-from trainfsm.preemption import deadline
+from trainfsm.checkpoint import io as checkpoint_io
+from trainfsm.checkpoint.background import WriteTimes
+from trainfsm.preemption import deadline, slurm
 from trainfsm.preemption.deadline import AUTO_MARGIN_FLOOR, AUTO_MARGIN_SHARE, EXIT_SECONDS, Deadline
 from trainfsm.preemption.signals import DEADLINE, SignalWatcher
-from trainfsm.preemption.slurm import parse_end_time
+from trainfsm.preemption.slurm import JobEnd, parse_end_time
 from trainfsm.tools import audit
 
 
@@ -51,8 +53,33 @@ def quick_exit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(deadline, "EXIT_SECONDS", 0.5)
 
 
-def trainer(workspace: Path, steps: int, slow: float = 0.01, **kwargs: Any) -> TinyTrainer:
-    hooks = [CheckpointingHook(interval=1000), Slow(slow, kwargs.pop("at_step", None))]
+@pytest.fixture
+def slow_writes(monkeypatch: pytest.MonkeyPatch) -> float:
+    """A file system on which each save's model.pt takes 2 s to become durable (its fsync); RESTORE's
+    probe and room are not saves. Returns the seconds."""
+    seconds = 2.0
+    sync = checkpoint_io.DurableWriter.sync
+
+    def slow_sync(self: Any) -> None:
+        if self._path.name == "model.pt":
+            time.sleep(seconds)
+        sync(self)
+
+    monkeypatch.setattr(checkpoint_io.DurableWriter, "sync", slow_sync)
+    return seconds
+
+
+def trainer(
+    workspace: Path,
+    steps: int,
+    slow: float = 0.01,
+    save_at: tuple[int, ...] = (),
+    async_save: bool = False,
+    **kwargs: Any,
+) -> TinyTrainer:
+    """``save_at``: steps that save besides the run's end (``keep_steps``)."""
+    saves = CheckpointingHook(interval=1000, keep_steps=save_at, async_save=async_save)
+    hooks = [saves, Slow(slow, kwargs.pop("at_step", None))]
     return TinyTrainer(max_steps=steps, workspace=workspace, hooks=hooks, **kwargs)
 
 
@@ -89,7 +116,8 @@ def test_a_bad_job_end_margin_names_the_argument_and_what_it_takes(value: Any, e
 
 # ---------------------------------------------------------------- pure parts
 def test_the_deadline_adds_the_steps_a_save_the_exit_and_the_margin() -> None:
-    one = Deadline(end_time=1000.0, margin=2.0, steps=1)
+    end = JobEnd("7", 1000.0)  # not started: the end stays where it is
+    one = Deadline(job_end=end, margin=2.0, steps=1)
     needed = 1 * 3.0 + 4.0 + EXIT_SECONDS + 2.0
     assert one.due(1000.0 - needed - 0.01, step=3.0, save=4.0) is None
     figures = one.due(1000.0 - needed + 0.01, step=3.0, save=4.0, save_measured=False)
@@ -97,12 +125,31 @@ def test_the_deadline_adds_the_steps_a_save_the_exit_and_the_margin() -> None:
     assert figures["left"] == pytest.approx(needed - 0.01)
     assert (figures["steps"], figures["margin"], figures["save_measured"]) == (1, 2.0, False)
     # Several ranks: the step-end all-reduce carries the signal one step later. Auto: the floor, or a quarter.
-    assert Deadline.for_job(1000.0, "auto", world=8) == Deadline(1000.0, None, 2)
-    small = Deadline(1000.0, None, 1).due(999.0, step=1.0, save=1.0)
+    assert Deadline.for_job(end, "auto", world=8) == Deadline(end, None, 2)
+    small = Deadline(end, None, 1).due(999.0, step=1.0, save=1.0)
     assert small is not None and small["margin"] == AUTO_MARGIN_FLOOR
-    large = Deadline(1000.0, None, 2).due(999.0, step=100.0, save=200.0)
+    large = Deadline(end, None, 2).due(999.0, step=100.0, save=200.0)
     assert large is not None and large["margin"] == AUTO_MARGIN_SHARE * (200.0 + 200.0 + EXIT_SECONDS)
-    assert Deadline.for_job(None, "auto", 1) is None and Deadline.for_job(1000.0, None, 1) is None
+    assert Deadline.for_job(None, "auto", 1) is None and Deadline.for_job(end, None, 1) is None
+    end.end_time = None  # the limit lifted (TimeLimit=UNLIMITED) during the run: nothing is due
+    assert one.due(2000.0, step=3.0, save=4.0) is None
+
+
+def test_an_asynchronous_saves_write_counts_and_so_does_the_rest_of_one_in_flight() -> None:
+    """EXIT waits for the write of the preemption's save, and its CHECKPOINT first waits for a write
+    still in flight: the background writer's clock gives both (at the slowest write's rate)."""
+    clock = WriteTimes()
+    assert clock.unwritten(now=100.0) == (0.0, 0.0)  # nothing written yet
+    clock.slowest = 3.0
+    assert clock.unwritten(now=100.0) == (3.0, 0.0)
+    clock.began = 99.0  # a write in flight for 1 s: 2 s to go, then the next save's 3 s
+    assert clock.unwritten(now=100.0) == (3.0, 2.0)
+    assert clock.unwritten(now=104.0) == (5.0, 0.0)  # slower than any before: the next may be as slow
+    needed = 1 * 0.5 + 0.01 + 5.0 + EXIT_SECONDS + 1.0
+    deadline = Deadline(JobEnd("7", 1000.0), 1.0, 1)
+    figures = deadline.due(1000.0 - needed + 0.01, step=0.5, save=0.01, write=5.0)
+    assert figures is not None and figures["needed"] == round(needed, 3) and figures["write_seconds"] == 5.0
+    assert deadline.due(1000.0 - needed - 0.01, step=0.5, save=0.01, write=5.0) is None
 
 
 def test_the_end_time_is_read_from_scontrols_output() -> None:
@@ -113,6 +160,38 @@ def test_the_end_time_is_read_from_scontrols_output() -> None:
     assert parse_end_time("JobId=7 TimeLimit=UNLIMITED EndTime=Unknown") is None
     assert parse_end_time("JobId=7 TimeLimit=00:01:00 EndTime=Unknown") is None
     assert parse_end_time("") is None
+
+
+def test_the_jobs_end_is_read_again_on_a_thread_and_a_failed_read_keeps_the_last_one(
+    fake_slurm: FakeSlurm,
+) -> None:
+    """``JobEnd`` reads ``scontrol`` every ``every`` seconds until ``stop``: a new end is taken; a
+    controller that does not answer leaves the last one (the deadline stays armed); after ``stop``
+    nothing is read and the thread is gone."""
+    job_end = slurm.JobEnd("4242", fake_slurm.end_in(3600.0), every=0.05).start()
+    try:
+        later = fake_slurm.end_in(7200.0)
+        wait_until(lambda: job_end.end_time == later)
+        fake_slurm.controller_down()
+        failed = len(fake_slurm.calls())
+        wait_until(lambda: len(fake_slurm.calls()) >= failed + 2)  # two reads failed meanwhile
+        assert job_end.end_time == later
+        fake_slurm.controller_down(False)
+        earlier = fake_slurm.end_in(60.0)
+        wait_until(lambda: job_end.end_time == earlier)
+    finally:
+        job_end.stop()
+    assert not [t for t in threading.enumerate() if t.name == "trainfsm-slurm-job-end"]
+    reads = len(fake_slurm.calls())
+    time.sleep(0.2)
+    assert len(fake_slurm.calls()) == reads
+
+
+def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < give_up, "timed out"
+        time.sleep(0.01)
 
 
 def test_a_deadline_pending_does_not_make_a_first_ctrl_c_a_second_one(tmp_path: Path) -> None:
@@ -201,6 +280,96 @@ def test_the_trainer_leaves_by_the_preemption_path_before_the_jobs_end_and_resum
     straight = trainer(tmp_path / "straight", steps=1000, slow=0.0, job_end_margin=None)
     straight.train()
     assert all(torch.equal(a, b) for a, b in zip(parameters(second), parameters(straight), strict=True))
+
+
+@pytest.mark.usefixtures("quick_exit")
+@pytest.mark.parametrize("async_save", [False, True], ids=["synchronous", "asynchronous"])
+def test_with_slow_writes_the_last_checkpoint_is_durable_and_the_job_requeued_before_its_end(
+    tmp_path: Path, fake_slurm: FakeSlurm, slow_writes: float, async_save: bool
+) -> None:
+    """Each save's write takes 2 s; a save at step 2 measures it. With ``async_save`` the
+    CHECKPOINT state only stages the state (milliseconds) and EXIT waits for the write: the deadline
+    counts the write as the background writer measured it (``write_seconds``), so the preemption's
+    checkpoint is durable, the job requeued and the process gone before the job's end, as with
+    synchronous saves."""
+    workspace = tmp_path / "run"
+    end = fake_slurm.end_in(10.0)
+    run = trainer(workspace, steps=100_000, save_at=(2,), async_save=async_save, job_end_margin=0.25)
+    with pytest.raises(SystemExit) as info:
+        run.train()
+    events = read_events(workspace)
+    timeline = [(e["event"], e["step"], round(end - e["ts"], 3)) for e in events if e["event"] != "transition"]
+    assert info.value.code == 128 + signal.SIGTERM
+    [agreed] = [e for e in events if e["event"] == "signal_agreed"]
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert saved[0]["saved_step"] == 2 and saved[-1]["saved_step"] == agreed["agreed_step"]
+    [requeue] = [e for e in events if e["event"] == "requeue"]
+    assert saved[-1]["ts"] < requeue["ts"] < events[-1]["ts"] < end, timeline
+    assert fake_slurm.requeued() == ["4242"] and events[-1]["event"] == "exit"
+    [made] = [e for e in events if e["event"] == "deadline"]
+    assert made["save_measured"] and made["save_seconds"] + made["write_seconds"] >= slow_writes
+    assert made["write_seconds"] >= slow_writes if async_save else made["write_seconds"] == 0.0
+
+
+@pytest.fixture
+def reread_often(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Rank 0 reads the job's end again every 0.25 s (a minute in a real run): seconds for a test."""
+    monkeypatch.setattr(slurm, "REREAD_SECONDS", 0.25)
+    return 0.25
+
+
+class StopAt(BaseHook):
+    """Ends the run (reason ``stopped``) once ``when()`` is a time in the past."""
+
+    def __init__(self, when: Any) -> None:
+        self.when = when
+
+    def wants_stop(self, trainer: BaseTrainer) -> bool:
+        when = self.when()
+        return when is not None and time.time() > when
+
+
+@pytest.mark.usefixtures("quick_exit", "reread_often")
+def test_a_time_limit_shortened_during_the_run_moves_the_deadline_earlier(
+    tmp_path: Path, fake_slurm: FakeSlurm
+) -> None:
+    """The job ends in an hour; at step 3 ``scontrol update TimeLimit=`` brings its end to 4 s from
+    then. Rank 0 reads the end again (off the step's path) and leaves by the deadline before the new
+    end: saved, requeued, exit 143. Without the re-read the run would train on past it (it stops 2 s
+    after it by itself)."""
+    fake_slurm.end_in(3600.0)
+    moved: list[float] = []
+    hooks = [
+        CheckpointingHook(interval=1000),
+        Slow(0.01, at_step={3: lambda: moved.append(fake_slurm.end_in(4.0))}),
+        StopAt(lambda: moved[0] + 2.0 if moved else None),
+    ]
+    run = TinyTrainer(max_steps=100_000, workspace=tmp_path, hooks=hooks, job_end_margin=0.25)
+    with pytest.raises(SystemExit) as info:
+        run.train()
+    assert info.value.code == 128 + signal.SIGTERM
+    events = read_events(tmp_path)
+    [made] = [e for e in events if e["event"] == "deadline"]
+    assert made["end_time"] == moved[0] and made["step"] > 3
+    assert events[-1]["ts"] < moved[0] and fake_slurm.requeued() == ["4242"]
+    reads = [c for c in fake_slurm.calls() if c == "%s|show job -o 4242"]
+    assert 3 <= len(reads) < made["step"]  # the start, re-reads, the preemption's; never one per step
+
+
+@pytest.mark.usefixtures("quick_exit", "reread_often")
+def test_a_time_limit_lengthened_during_the_run_moves_the_deadline_later(tmp_path: Path, fake_slurm: FakeSlurm) -> None:
+    """The job ends 6 s after the start; at step 1 its limit is raised by an hour. The run trains on
+    past the first end (it stops 1 s after it by itself) and never takes the deadline's way out."""
+    first = fake_slurm.end_in(6.0)
+    hooks = [
+        CheckpointingHook(interval=1000),
+        Slow(0.01, at_step={1: lambda: fake_slurm.end_in(3600.0)}),
+        StopAt(lambda: first + 1.0),
+    ]
+    TinyTrainer(max_steps=100_000, workspace=tmp_path, hooks=hooks, job_end_margin=0.25).train()
+    events = read_events(tmp_path)
+    assert not [e for e in events if e["event"] in ("deadline", "signal_agreed", "requeue")]
+    assert (events[-1]["event"], events[-1]["reason"]) == ("exit", "stopped") and events[-1]["ts"] > first
 
 
 @pytest.mark.usefixtures("quick_exit")

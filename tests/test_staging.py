@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from trainfsm.checkpoint import background
-from trainfsm.checkpoint.background import _copy_then, stage
+from trainfsm.checkpoint.background import WriteTimes, _copy_then, stage
 
 
 def staged_now(model: nn.Module, spare: list[torch.Tensor] | None = None) -> tuple[Any, list[Any]]:
@@ -96,7 +96,9 @@ def test_the_writer_threads_copy_of_a_tensor_that_requires_grad_records_no_graph
     staged, copies = stage({"hooks": {"ema": source}}, SimpleNamespace(model=None))  # type: ignore[arg-type]
     done = threading.Lock()
     done.acquire()  # released once the copies are made
-    _copy_then(copies, done, lambda: None)
+    clock = WriteTimes()
+    _copy_then(copies, done, lambda: None, clock)
     written = staged["hooks"]["ema"]
     assert not done.locked() and torch.equal(written, source.detach()) and not written.requires_grad
+    assert clock.began is None and clock.slowest > 0  # the writer timed its copies and write
     assert written.grad_fn is None

@@ -98,6 +98,8 @@ class Hooks:
             for name in HOOK_METHODS:
                 if overrides(hook, name):
                     activity.name_hook(getattr(type(hook), name))
+        #: The clocks of the hooks that write after CHECKPOINT (``BaseHook.background_writes``).
+        self.background_writes = tuple(hook.background_writes for hook in hooks if hook.background_writes is not None)
         #: Whether a step's end has anything to ask or evaluate (most runs: only wants_checkpoint).
         self.at_step_end = bool(self._evaluate or self._step_info or self._wants_stop)
 

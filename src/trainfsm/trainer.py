@@ -306,8 +306,8 @@ class BaseTrainer(fsm.Triggers):
     def _watchdog(self, progress: Progress, run: Run) -> Watchdog | None:
         """The watchdog thread of this ``train()``, started: stalls, and the job's end (rank 0 under
         SLURM with a time limit); None when neither is watched."""
-        end_time = self.slurm.end_time if self.slurm is not None else None
-        deadline = Deadline.for_job(end_time, self.job_end_margin, self.world_size)
+        job_end = run.preemption.follow_job_end() if self.job_end_margin is not None else None
+        deadline = Deadline.for_job(job_end, self.job_end_margin, self.world_size)
         if self.stall_timeout is None and deadline is None:
             return None
         event_log = run.event_log
@@ -321,6 +321,7 @@ class BaseTrainer(fsm.Triggers):
             requeue=run.preemption.requeue_after_stall,
             deadline=deadline,
             on_deadline=run.preemption.deadline_reached,
+            writes=lambda: run.hooks.background_writes,
         )
         watchdog.start()
         return watchdog

@@ -65,6 +65,7 @@ from trainfsm.preemption.deadline import UNMEASURED_SAVE_BYTES_PER_SECOND
 from trainfsm.trail.writer import render_console
 
 if TYPE_CHECKING:
+    from trainfsm.checkpoint.background import WriteTimes
     from trainfsm.machine import Progress
     from trainfsm.preemption.deadline import Deadline
     from trainfsm.trail.writer import EventLog
@@ -121,6 +122,7 @@ class Watchdog:
         exit: Callable[[int], None] = os._exit,
         deadline: Deadline | None = None,
         on_deadline: Callable[[dict[str, Any]], bool] | None = None,
+        writes: Callable[[], tuple[WriteTimes, ...]] = tuple,
     ) -> None:
         self.stalls = timeout is not None  # None: only the job's end is watched
         self.fixed = None if timeout in ("auto", None) else float(timeout)
@@ -151,6 +153,7 @@ class Watchdog:
         # The job's end (rank 0 under SLURM with a time limit): checked at each look until raised.
         self.deadline = deadline
         self.on_deadline = on_deadline
+        self.writes = writes  # asynchronous saves' own clocks: their writes come after CHECKPOINT
 
     # ---------------------------------------------------------------- lifetime
     def start(self) -> None:
@@ -215,14 +218,21 @@ class Watchdog:
         """Raise the preemption's pending signal once the way out no longer fits before the job's end."""
         if not self._steps or self._state not in _WAY_OUT:  # nothing measured yet, or not training
             return
-        measured = bool(self._saves)
+        now, clocks = time.time(), self.writes()
+        write = 0.0  # an asynchronous save: CHECKPOINT stages it, EXIT waits for its write
+        for clock in clocks:
+            needs, first = clock.unwritten(now)  # the save's write, and the rest of one in flight
+            write += needs + first
+        # An asynchronous CHECKPOINT is over in milliseconds, often between two looks: its writes
+        # say whether a save was measured (one still in flight, the first, was not: the estimate).
+        measured = all(clock.slowest for clock in clocks) if clocks else bool(self._saves)
         if measured:
-            save = max(self._saves)
+            save = max(self._saves, default=0.0)
         else:
             if self._bytes is None:
                 self._bytes = state_bytes(self.trainer)
             save = self._bytes / UNMEASURED_SAVE_BYTES_PER_SECOND
-        figures = self.deadline.due(time.time(), max(self._steps), save, measured)  # type: ignore[union-attr]
+        figures = self.deadline.due(now, max(self._steps), save, measured, write)  # type: ignore[union-attr]
         if figures is not None:
             self.deadline = None  # once: raised now, or a signal already pending takes the same way out
             if self.on_deadline is not None:

@@ -1,7 +1,8 @@
 """The job's end on the real cluster (issue 34, items 3 and 4): each preemption's timing and the margin
 left before the job's end, as ``trainfsm audit`` reports them; and a job with a time limit and no
 ``--signal`` that leaves by the trainer's own deadline before every limit, ends COMPLETED (never
-TIMEOUT), and trains exactly what an uninterrupted run trains."""
+TIMEOUT), and trains exactly what an uninterrupted run trains, with synchronous saves and with
+asynchronous ones whose writes take longer than the exit allows (issue 46, finding 2)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.faults]
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "slurm" / "train.py"
+SLOW_SAVES = Path(__file__).with_name("slow_save_job.py")
 # The example's own sbatch asks for --signal=B:USR1@120: these jobs must get no signal from SLURM.
 JOB = (
     "#!/bin/bash\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
-    f'exec "$PYTHON" {TRAIN} --workspace "$WORKSPACE" "$@"\n'
+    'exec "$PYTHON" "$SCRIPT" --workspace "$WORKSPACE" "$@"\n'
 )
 
 
@@ -50,16 +52,17 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
 
 @pytest.fixture
 def submit(slurm_cluster: SlurmCluster, tmp_path: Path) -> Iterator[Callable[..., tuple[str, Path]]]:
-    """``submit(TIME_LIMIT, *ARGS)``: the example's training as a batch job with that ``--time``;
-    returns the job id and its workspace. A job still there when the test ends is cancelled."""
+    """``submit(TIME_LIMIT, *ARGS, script=TRAIN)``: the example's training (or ``script``) as a batch
+    job with that ``--time``; returns the job id and its workspace. A job still there when the test
+    ends is cancelled."""
     jobs: list[str] = []
 
-    def start(time_limit: str, *args: str) -> tuple[str, Path]:
-        workspace, script = tmp_path / "run", tmp_path / "job.sbatch"
-        script.write_text(JOB)
-        env = {"PYTHON": sys.executable, "WORKSPACE": str(workspace)}
+    def start(time_limit: str, *args: str, script: Path = TRAIN) -> tuple[str, Path]:
+        workspace, sbatch = tmp_path / "run", tmp_path / "job.sbatch"
+        sbatch.write_text(JOB)
+        env = {"PYTHON": sys.executable, "WORKSPACE": str(workspace), "SCRIPT": str(script)}
         options = [f"--time={time_limit}", "--chdir", str(ROOT), "--output", str(tmp_path / "slurm-%j.out")]
-        jobs.append(slurm_cluster.sbatch(script, *args, options=options, env=env))
+        jobs.append(slurm_cluster.sbatch(sbatch, *args, options=options, env=env))
         return jobs[-1], workspace
 
     yield start
@@ -87,9 +90,9 @@ def uninterrupted(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[byt
     a run still going when the test ends is killed."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(*args: str) -> subprocess.Popen[bytes]:
+    def start(*args: str, script: Path = TRAIN) -> subprocess.Popen[bytes]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        command = [sys.executable, str(TRAIN), "--workspace", str(tmp_path / "straight"), *args]
+        command = [sys.executable, str(script), "--workspace", str(tmp_path / "straight"), *args]
         started.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         return started[-1]
 
@@ -234,3 +237,75 @@ def test_a_job_with_a_time_limit_and_no_signal_ends_each_attempt_by_its_own_dead
         assert timing["cause"] == "deadline" and timing["margin"] > 0 and not timing["save_after_end"]
     assert report["attempts"][-1]["preemption"] is None
     assert same_parameters(workspace, straight, tmp_path)
+
+
+@pytest.mark.slow
+def test_with_asynchronous_saves_slower_than_the_exit_each_attempt_is_saved_and_requeued_before_its_end(
+    slurm_cluster: SlurmCluster,
+    tmp_path: Path,
+    uninterrupted: Callable[..., subprocess.Popen[bytes]],
+    submit: Callable[..., tuple[str, Path]],
+) -> None:
+    """The job above with ``async_save`` on a file system where each save's write takes 8 s, more than
+    the deadline's 5 s for the exit and its 1 s margin together (``tests/slurm/slow_save_job.py``),
+    and about 45 s of steps in a one-minute limit. The CHECKPOINT state only stages a save; the
+    deadline counts the write as the background writer timed it at the interval's saves
+    (``write_seconds``), so every attempt but the last has its checkpoint durable, the job requeued
+    and the process gone before SLURM's limit. The job ends COMPLETED, never TIMEOUT, with the
+    parameters of an uninterrupted run."""
+    args = ("--async-save", "--steps", "900", "--interval", "300", "--write-seconds", "8", "--job-end-margin", "1")
+    straight = uninterrupted(*args, script=SLOW_SAVES)
+    job_id, workspace = submit("1", *args, script=SLOW_SAVES)
+    job = slurm_cluster.wait_state(job_id, "COMPLETED", timeout=400)  # fails at once on TIMEOUT
+    output = (tmp_path / f"slurm-{job_id}.out").read_text(errors="replace")
+    trail = events(workspace)
+    attempts = sorted({e["attempt"] for e in trail})
+    assert len(attempts) >= 2 and job["Restarts"] == str(len(attempts) - 1), output[-3000:]
+
+    for attempt in attempts:
+        mine = [e for e in trail if e["attempt"] == attempt]
+        end = mine[0]["slurm"]["end_time"]
+        saved = [e for e in mine if e["event"] == "checkpoint_saved"]
+        assert end is not None and mine[-1]["event"] == "exit" and mine[-1]["ts"] < end, mine[-1]
+        if attempt == attempts[-1]:
+            assert (mine[-1]["reason"], mine[-1]["code"]) == ("completed", 0)
+            continue
+        [made] = [e for e in mine if e["event"] == "deadline"]
+        assert made["write_seconds"] >= 8 and made["end_time"] == end
+        assert saved[-1]["saved_step"] == made["step"] and saved[-1]["seconds"] >= 8
+        requeue = next(e for e in mine if e["event"] == "requeue")
+        assert requeue["ok"] and saved[-1]["ts"] < requeue["ts"] < mine[-1]["ts"] < end
+        assert (mine[-1]["reason"], mine[-1]["code"]) == ("preempted", 143)
+        print(
+            f"attempt {attempt}: deadline at step {made['step']}, {made['left']:.1f} s left, needed "
+            f"{made['needed']:.1f} s (write {made['write_seconds']:.1f} s); checkpoint durable "
+            f"{end - saved[-1]['ts']:.1f} s and exit {end - mine[-1]['ts']:.1f} s before the limit"
+        )
+    report = json.loads(audit(workspace, "--json").stdout)
+    assert report["consistent"] and report["ended_well"], report["problems"] + report["run_problems"]
+    assert same_parameters(workspace, straight, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_time_limit_shortened_during_the_job_moves_the_deadline_and_the_attempt_leaves_before_the_new_end(
+    slurm_cluster: SlurmCluster, submit: Callable[..., tuple[str, Path]]
+) -> None:
+    """``--time=3`` and about 70 s of steps; once the first attempt trains, ``scontrol update
+    TimeLimit=1`` brings the job's end to a minute after its start. Rank 0 reads the end again (every
+    2 s here; a minute by default) and leaves by its deadline before the new end: saved, requeued,
+    exit 143. The next attempt, with the one-minute limit, completes; the job ends COMPLETED."""
+    args = ("--steps", "1400", "--interval", "1000", "--write-seconds", "0", "--reread-seconds", "2")
+    job_id, workspace = submit("3", *args, "--job-end-margin", "1", script=SLOW_SAVES)
+    wait_for(lambda: any(e["event"] == "restore" for e in events(workspace)), 90, f"training\n{slurm_cluster.logs()}")
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=1")
+    moved = end_time(slurm_cluster, job_id)
+    job = slurm_cluster.wait_state(job_id, "COMPLETED", timeout=300)  # fails at once on TIMEOUT
+    assert job["Restarts"] == "1"
+    first = [e for e in events(workspace) if e["attempt"] == 0]
+    assert first[0]["slurm"]["end_time"] == moved + 120  # three minutes at the start
+    [made] = [e for e in first if e["event"] == "deadline"]
+    assert made["end_time"] == moved and made["step"] > 0
+    requeue = next(e for e in first if e["event"] == "requeue")
+    assert requeue["ok"] and (first[-1]["reason"], first[-1]["code"]) == ("preempted", 143)
+    assert first[-1]["ts"] < moved
+    print(f"end moved 120 s earlier; deadline at step {made['step']}, exit {moved - first[-1]['ts']:.1f} s before it")

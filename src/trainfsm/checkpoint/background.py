@@ -12,7 +12,10 @@ The loop waits for ``stage`` and ``submit``, after a step that left the CPU's ca
 touch as few objects as they can (see ``stage``).
 ``BackgroundSaves`` runs the writes on one thread, at most one in flight; ``settle`` reports a
 finished one and raises for a failed one. A sharded save's collectives run over a gloo group of its
-own (``process_group``), so that they never pair with the training's on the main thread.
+own (``process_group``), so that they never pair with the training's on the main thread. The
+thread times each write itself (``WriteTimes``): the job's end (``trainfsm.preemption.deadline``)
+plans for what a save still has to write after the loop moved on, which the CHECKPOINT state it
+watches does not contain.
 """
 
 from __future__ import annotations
@@ -37,6 +40,30 @@ if TYPE_CHECKING:
 Result = TypeVar("Result")
 
 
+class WriteTimes:
+    """The writer thread's own clock, read by the watchdog's thread for the job's end: the slowest
+    write of this attempt (its copies, then ``write()``, as ``EXIT`` would wait for them) and when
+    the write in flight began (epoch seconds, the deadline's clock; None: none in flight). Two
+    attribute writes per save, no lock: a look that reads one before the other is a quarter of a
+    second from the next."""
+
+    __slots__ = ("began", "slowest")
+
+    def __init__(self) -> None:
+        self.slowest = 0.0
+        self.began: float | None = None
+
+    def unwritten(self, now: float) -> tuple[float, float]:
+        """(the write a save started now would need, at least the slowest one or what the write in
+        flight has taken so far; what the write in flight still has, at that rate, to write first)."""
+        began = self.began
+        if began is None:
+            return self.slowest, 0.0
+        elapsed = max(now - began, 0.0)
+        write = max(self.slowest, elapsed)
+        return write, write - elapsed
+
+
 class BackgroundSaves(Generic[Result]):
     """One writer thread and the save in flight on it, from ``submit`` to ``settle``."""
 
@@ -53,6 +80,7 @@ class BackgroundSaves(Generic[Result]):
         #: CPU tensors to stage the next save into (those of the last save, or ``prestage``'s): it
         #: starts only once the last one settled, so nothing reads them any more.
         self.spare: list[torch.Tensor] = []
+        self.times = WriteTimes()
 
     @property
     def in_flight(self) -> bool:
@@ -98,7 +126,7 @@ class BackgroundSaves(Generic[Result]):
         self._inflight_sharded = sharded
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-async-save")
-        self._inflight = self._writer.submit(_copy_then, copies, staged, write)
+        self._inflight = self._writer.submit(_copy_then, copies, staged, write, self.times)
 
     def wait_staged(self) -> None:
         """Wait until the save in flight has its copies: the first in-place update of parameters or
@@ -164,15 +192,23 @@ def _background_group() -> Any:
     return dist.new_group(backend="gloo", timeout=group_timeout())
 
 
-def _copy_then(copies: list[tuple[torch.Tensor, torch.Tensor]], staged: Any, write: Callable[[], Any]) -> Any:
-    """On the writer thread: the copies the loop waits for before its next optimizer step, then ``write()``."""
+def _copy_then(
+    copies: list[tuple[torch.Tensor, torch.Tensor]], staged: Any, write: Callable[[], Any], times: WriteTimes
+) -> Any:
+    """On the writer thread: the copies the loop waits for before its next optimizer step, then
+    ``write()``; ``times`` measures both (a failed write's time counts too: the next may take it)."""
+    times.began = began = time.time()
     try:
-        with torch.no_grad():  # the sources are not detached (``stage``): record no graph
-            for source, target in copies:
-                target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
+        try:
+            with torch.no_grad():  # the sources are not detached (``stage``): record no graph
+                for source, target in copies:
+                    target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
+        finally:
+            staged.release()
+        return write()
     finally:
-        staged.release()
-    return write()
+        times.slowest = max(times.slowest, time.time() - began)
+        times.began = None
 
 
 def stage(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from trainfsm.checkpoint.background import WriteTimes
     from trainfsm.preemption.policy import ExitPolicy
     from trainfsm.step_info import StepInfo
     from trainfsm.trainer import BaseTrainer
@@ -24,6 +25,10 @@ class BaseHook:
     #: ``set_exit_signals()`` did. ``CheckpointingHook`` sets it from its ``exit_*`` arguments;
     #: build one with ``trainfsm.preemption.policy.exit_policy``. None: this hook has no say.
     exit_policy: ExitPolicy | None = None
+    #: The clock of a hook that writes checkpoints on a thread of its own, after CHECKPOINT
+    #: (``CheckpointingHook(async_save=True)``): the job's end plans for what it still has to write
+    #: (``trainfsm.preemption.deadline``). None: this hook's saves are done when CHECKPOINT is.
+    background_writes: WriteTimes | None = None
 
     def on_before_train(self, trainer: BaseTrainer) -> None:
         """Once, after RESTORE: the trainer is built and resumed, before the first step."""

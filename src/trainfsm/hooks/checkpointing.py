@@ -49,8 +49,10 @@ class CheckpointingHook(BaseHook):
     ``data_resume`` says how the data iterator gets back to where it was (see ``trainfsm.data_state``).
     ``async_save`` stages the state to CPU memory and writes it on a background thread while
     training goes on: at most one save in flight, a failure raises at the next step or at EXIT, and
-    EXIT waits until the last save is durable. The CPU copy is kept from one save to the next, which
-    copies into it again (one copy of the state stays in host memory from the first save on).
+    EXIT waits until the last save is durable (the job's end under SLURM plans for that wait, with
+    the writes' times as the writer thread measured them). The CPU copy is kept from one save to
+    the next, which copies into it again (one copy of the state stays in host memory from the first
+    save on).
 
     ``sharded`` says how a model state split over ranks (FSDP2 ``fully_shard`` with the default
     ``state_dict_options``) is saved: ``"auto"`` (default) writes a sharded checkpoint exactly then,
@@ -130,6 +132,7 @@ class CheckpointingHook(BaseHook):
         self._step_in_store: int | None = None  # the step last saved or loaded: never written twice
         self._saver: Saver | None = None  # made in RESTORE, with the store
         self._background: BackgroundSaves[SaveResult] = BackgroundSaves()
+        self.background_writes = self._background.times if async_save else None
         self.checksum = check_checksum("CheckpointingHook", checksum)
 
     # ------------------------------------------------------------------ RESTORE

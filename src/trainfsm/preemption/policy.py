@@ -14,7 +14,8 @@ The job's end is a fourth way in: under SLURM with a time limit the watchdog's t
 ``deadline_reached`` when the time left no longer covers the way out
 (``trainfsm.preemption.deadline``), and the run leaves as if the policy's first signal had come.
 Rank 0 also reads the job's end from SLURM again at a preemption (``job_end``), for the audit's
-margin: a preemption with a grace time moves it.
+margin: a preemption with a grace time moves it; and, while the deadline watches it, every
+minute (``follow_job_end``): ``scontrol update TimeLimit=`` moves it too.
 
 A scheduler's signal (SLURM's ``--signal=B:USR1@120``, a ``SIGTERM`` before a kill) can arrive at
 any instant: inside a kernel launch, a checkpoint write, a collective. The handler therefore only
@@ -166,6 +167,7 @@ class Preemption:
         # thread at the step's end), and rank 0's read of the end at a preemption.
         self._deadline: dict[str, Any] | None = None
         self._end_read: slurm.EndTimeRead | None = None
+        self._job_end: slurm.JobEnd | None = None  # rank 0, while the deadline watches the job's end
         self._cause = "signal"
 
     def open_trail(self, log: Any, rank: int, world: int, job: slurm.SlurmJob | None) -> None:
@@ -173,8 +175,20 @@ class Preemption:
 
     def stop(self) -> None:
         """The end of ``train()``: the handlers and parent-death signal it found are back."""
+        if self._job_end is not None:
+            self._job_end.stop()
         restore_launcher_death(self._launcher_death)
         self.watcher.restore()
+
+    def follow_job_end(self) -> slurm.JobEnd | None:
+        """The job's end as SLURM has it, read again every ``slurm.REREAD_SECONDS`` until ``stop``:
+        rank 0 under SLURM with a time limit (the one rank that read it at the start), for the
+        deadline; None elsewhere."""
+        job = self.job
+        if job is None or job.end_time is None:
+            return None
+        self._job_end = slurm.JobEnd(job.job_id, job.end_time).start()
+        return self._job_end
 
     # ---------------------------------------------------------------- BUILD
     def decide(self, hooks: Sequence[BaseHook], agreement: LossNoneAgreement | None) -> ExitPolicy | None:

@@ -7,7 +7,10 @@ never reaches Python. ``#SBATCH --requeue`` lets ``scontrol requeue`` put the jo
 
 The job's end (``end_time``) is read from SLURM itself, ``scontrol show job`` with
 ``SLURM_TIME_FORMAT=%s`` (epoch seconds, whatever the time zone), never computed from what the
-job was asked for: a preemption with a grace time or ``scontrol update TimeLimit=`` moves it.
+job was asked for: a preemption with a grace time or ``scontrol update TimeLimit=`` moves it. So
+rank 0 reads it when ``train()`` begins and, while the job's end is watched
+(``trainfsm.preemption.deadline``), again every ``REREAD_SECONDS`` on a thread of its own
+(``JobEnd``): a limit changed during the run is seen within a minute, earlier or later.
 """
 
 from __future__ import annotations
@@ -20,12 +23,19 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final
 
 _JOB_ID = re.compile(r"\d+")
 _ARRAY_ID = re.compile(r"\d+_\d+")
 _END_TIME = re.compile(r"(?:^|\s)EndTime=(\S+)")
 _TIME_LIMIT = re.compile(r"(?:^|\s)TimeLimit=(\S+)")
+
+#: How often rank 0 reads the job's end again while it watches it (``JobEnd``). Each read is one
+#: ``scontrol`` process (about 10 ms of the node's time, on a thread of its own, never on the step's
+#: path) and one request to ``slurmctld``, which every job of the cluster shares: once a minute is
+#: one request per job a minute, however fast its steps. A limit changed to less than a minute (plus
+#: the way out) from now may be seen too late; an end moved later is seen within a minute.
+REREAD_SECONDS: Final = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +136,13 @@ def requeue(job: SlurmJob, timeout: float = 30.0) -> RequeueResult:
 def end_time(job_id: str, timeout: float = 5.0) -> float | None:
     """The job's end, epoch seconds, from ``scontrol show job`` (None: no limit, or SLURM did not say
     within ``timeout``). About 10 ms on an idle controller; never raises."""
+    shown = _show_job(job_id, timeout)
+    return None if shown is None else parse_end_time(shown)
+
+
+def _show_job(job_id: str, timeout: float) -> str | None:
+    """``scontrol show job -o`` with epoch times; None where it could not say (no scontrol, an error,
+    no answer within ``timeout``)."""
     scontrol = shutil.which("scontrol")
     if scontrol is None or not valid_job_id(job_id):
         return None
@@ -143,7 +160,7 @@ def end_time(job_id: str, timeout: float = 5.0) -> float | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return parse_end_time(shown.stdout) if shown.returncode == 0 else None
+    return shown.stdout if shown.returncode == 0 else None
 
 
 def parse_end_time(shown: str) -> float | None:
@@ -191,3 +208,36 @@ class EndTimeRead:
             if self._thread.is_alive():
                 return None, None
         return self.end_time, self.read_at
+
+
+class JobEnd:
+    """The job's end as SLURM has it now (``end_time``, epoch seconds; None: no limit any more), for
+    the deadline: the value read when ``train()`` began, then read again every ``every`` seconds
+    (``REREAD_SECONDS``) on a thread of its own from ``start`` to ``stop``, so that no step waits
+    for ``scontrol`` and a slow controller delays nothing but the next read. A read that fails keeps
+    the last end: a busy controller must not disarm the deadline."""
+
+    def __init__(self, job_id: str, end_time: float | None, every: float | None = None) -> None:
+        self.job_id = job_id
+        self.end_time = end_time
+        self.every = REREAD_SECONDS if every is None else every
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> JobEnd:
+        self._thread = threading.Thread(target=self._follow, name="trainfsm-slurm-job-end", daemon=True)
+        self._thread.start()
+        return self
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.every):
+            shown = _show_job(self.job_id, timeout=5.0)
+            if shown is not None and not self._stop.is_set():
+                self.end_time = parse_end_time(shown)
+
+    def stop(self) -> None:
+        """No more reads. A read in flight is waited for a second at most: its answer is not needed."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+            self._thread = None

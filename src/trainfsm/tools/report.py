@@ -42,7 +42,8 @@ added)::
           "margin": float | null,             # job_end - the exit event
           "save_after_end": bool,
           "deadline": {"step": int, "end_time", "decided_at", "left", "needed", "steps", "step_seconds",
-                       "save_seconds", "save_measured", "exit_seconds", "margin"} | null},   # its event's fields
+                       "save_seconds", "save_measured", "write_seconds", "exit_seconds",
+                       "margin"} | null},   # its event's fields
         "exceptions": [{"rank": int, "type": str, "message": str, "file": str, "line": int}],
         "stalls": [{"rank": int, "state": str, "step": int,   # the stall watchdog's reports, one per stall:
                     "seconds": float, "reports": int,          # the longest reported, and how many

@@ -73,6 +73,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
         "step_seconds",
         "save_seconds",
         "save_measured",
+        "write_seconds",
         "exit_seconds",
         "margin",
     ),
@@ -239,10 +240,11 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     ),
     "deadline": (
         "`end_time` (the job's end, epoch seconds), `decided_at`, `left` (seconds to the end then), `needed` "
-        "(what the way out takes: `steps` x `step_seconds` + `save_seconds` + `exit_seconds` + `margin`), "
-        "`steps`, `step_seconds` (the slowest recent step), `save_seconds` (the slowest save of the attempt, "
-        "or an estimate from the state's bytes when `save_measured` is false), `save_measured`, "
-        "`exit_seconds`, `margin` (`job_end_margin`)",
+        "(what the way out takes: `steps` x `step_seconds` + `save_seconds` + `write_seconds` + `exit_seconds` + "
+        "`margin`), `steps`, `step_seconds` (the slowest recent step), `save_seconds` (the slowest save of the "
+        "attempt, or an estimate from the state's bytes when `save_measured` is false), `save_measured`, "
+        "`write_seconds` (with `async_save`: the slowest background write, which EXIT waits for, plus what a "
+        "write in flight still has to write; 0 for synchronous saves), `exit_seconds`, `margin` (`job_end_margin`)",
         "under SLURM with a time limit, rank 0's watchdog found the time left too short for the way out and "
         "raised the preemption's pending signal (`trainfsm.preemption.deadline`); written at the step's end, "
         "just before `signal_agreed` (reason `deadline`)",
