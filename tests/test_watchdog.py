@@ -258,6 +258,20 @@ def test_auto_budgets_follow_the_documented_rules() -> None:
     )  # type: ignore[arg-type]
 
 
+
+def test_exit_waiting_for_a_large_states_write_gets_the_time_its_bytes_take_as_restore_does() -> None:
+    class Mark:
+        moves = 0
+
+    dog = Watchdog(
+        timeout="auto", action="record", progress=Mark(), trainer=None, event_log=None, micro=int, requeue=lambda: None
+    )  # type: ignore[arg-type]
+    dog._bytes = 40_000_000_000  # a 40 GB state: 2,000 s at the 20 MB/s planned for
+    assert dog.budget("EXIT", stuck=100.0) == 600.0  # not yet past the floor: the bytes are not asked for
+    assert dog.budget("EXIT", stuck=700.0) == 2000.0  # an asynchronous write in flight, not a stall
+    assert dog.budget("RESTORE", stuck=700.0) == 2000.0
+
+
 # ---------------------------------------------------------------- the thread itself
 def test_the_watchdog_thread_runs_only_inside_train_and_none_with_stall_timeout_none(tmp_path: Path) -> None:
     seen: list[bool] = []
