@@ -20,8 +20,9 @@ Budgets (``stall_timeout="auto"``; a number of seconds is one budget for every s
 that a slow but healthy rank is never reported (``AutoBudgets``):
 
 - BUILD, RESTORE, EXIT and the first step of a launch: ``AUTO.build`` etc., 10 minutes (RESTORE
-  and EXIT, which waits for an asynchronous save's write: or the state's bytes at 20 MB/s, if longer). Nothing has been measured yet; these are where
-  datasets download, checkpoints load, kernels compile and the last uploads run.
+  and EXIT, which waits for an asynchronous save's write: or the state's bytes at 20 MB/s, if
+  longer). Nothing has been measured yet; these are where datasets download, checkpoints load,
+  kernels compile and the last uploads run.
 - A step (STEP, ACCUMULATE, RETRY): ``max(2 minutes, 10 x the slowest of the last 100 steps)``,
   steps as the watchdog saw them (a step longer than a tick on its own, shorter ones as the mean
   of those between two looks). A validation or a save 5x slower than a step stays
