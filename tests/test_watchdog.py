@@ -258,7 +258,6 @@ def test_auto_budgets_follow_the_documented_rules() -> None:
     )  # type: ignore[arg-type]
 
 
-
 def test_exit_waiting_for_a_large_states_write_gets_the_time_its_bytes_take_as_restore_does() -> None:
     class Mark:
         moves = 0
