@@ -20,6 +20,7 @@ import torch
 from tests.helpers import TinyTrainer, make_batches, read_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook, watchdog
 from trainfsm.checkpoint import io as checkpoint_io
+from trainfsm.checkpoint.background import WriteTimes
 from trainfsm.machine import STALL_EXIT_CODE
 from trainfsm.tools import audit, trace
 from trainfsm.watchdog import AutoBudgets, Watchdog
@@ -258,16 +259,26 @@ def test_auto_budgets_follow_the_documented_rules() -> None:
     )  # type: ignore[arg-type]
 
 
-def test_exit_waiting_for_a_large_states_write_gets_the_time_its_bytes_take_as_restore_does() -> None:
+def test_exit_waiting_for_a_large_states_write_gets_the_time_its_bytes_take_and_only_then() -> None:
     class Mark:
         moves = 0
 
+    clock = WriteTimes()
     dog = Watchdog(
-        timeout="auto", action="record", progress=Mark(), trainer=None, event_log=None, micro=int, requeue=lambda: None
+        timeout="auto",
+        action="record",
+        progress=Mark(),
+        trainer=None,
+        event_log=None,
+        micro=int,
+        requeue=lambda: None,
+        writes=lambda: (clock,),
     )  # type: ignore[arg-type]
     dog._bytes = 40_000_000_000  # a 40 GB state: 2,000 s at the 20 MB/s planned for
+    assert dog.budget("EXIT", stuck=700.0) == 600.0  # no write in flight: a hang in EXIT is a stall
+    clock.began = 0.0  # an asynchronous save's write in flight, which EXIT waits for
     assert dog.budget("EXIT", stuck=100.0) == 600.0  # not yet past the floor: the bytes are not asked for
-    assert dog.budget("EXIT", stuck=700.0) == 2000.0  # an asynchronous write in flight, not a stall
+    assert dog.budget("EXIT", stuck=700.0) == 2000.0  # the write, not a stall
     assert dog.budget("RESTORE", stuck=700.0) == 2000.0
 
 

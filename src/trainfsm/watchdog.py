@@ -19,8 +19,8 @@ stuck thread may hold (``EXIT_WRITE_SECONDS``, ``EXIT_DEADLINE_SECONDS``).
 Budgets (``stall_timeout="auto"``; a number of seconds is one budget for every state), chosen so
 that a slow but healthy rank is never reported (``AutoBudgets``):
 
-- BUILD, RESTORE, EXIT and the first step of a launch: ``AUTO.build`` etc., 10 minutes (RESTORE
-  and EXIT, which waits for an asynchronous save's write: or the state's bytes at 20 MB/s, if
+- BUILD, RESTORE, EXIT and the first step of a launch: ``AUTO.build`` etc., 10 minutes (RESTORE,
+  and EXIT while it waits for an asynchronous save's write: or the state's bytes at 20 MB/s, if
   longer). Nothing has been measured yet; these are where datasets download, checkpoints load,
   kernels compile and the last uploads run.
 - A step (STEP, ACCUMULATE, RETRY): ``max(2 minutes, 10 x the slowest of the last 100 steps)``,
@@ -282,9 +282,12 @@ class Watchdog:
             return auto.build
         if state == fsm.RESTORE:  # a checkpoint that loads slowly because it is large is not a stall
             return self._with_bytes(auto.restore, stuck)
-        # EXIT waits for an asynchronous save's write in flight (and the exit's own save's): a large
-        # state written slowly there is not a stall either, or its exit would lose the last save.
-        return self._with_bytes(auto.exit, stuck)
+        if any(clock.began is not None for clock in self.writes()):
+            # EXIT waits for an asynchronous save's write in flight (the exit's own save's among
+            # them): a large state written slowly is no stall, or its exit would lose that save.
+            # Without one, a hang in EXIT (a barrier, an upload) has EXIT's budget alone.
+            return self._with_bytes(auto.exit, stuck)
+        return auto.exit
 
     def _with_bytes(self, budget: float, stuck: float) -> float:
         """``budget``, or the time the state's bytes take at the slowest rate we plan for, if longer
