@@ -492,20 +492,57 @@ def test_a_rollback_killed_before_latest_moved_still_resumes_the_rolled_back_run
     assert events(tmp_path, "checkpoint_loaded")[-1]["from_step"] == 7
 
 
-def test_a_rollbacks_save_prunes_the_abandoned_run_past_its_start_first(tmp_path: Path) -> None:
-    _roll_back(tmp_path)
+def test_a_rollbacks_saves_never_prune_the_run_it_abandoned_and_keep_previous_counts_its_own_timeline(
+    tmp_path: Path,
+) -> None:
+    run(tmp_path, 8, interval=2, keep_previous=3)  # 2, 4, 6, 8
+    Trainer(CheckpointingHook(interval=4, keep_previous=1, load="4"), max_steps=7, workspace=tmp_path).train()
     root = tmp_path / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == ["2", "4", "7", "latest"]  # keep_previous=3: 2, 4 and 7
-    assert events(tmp_path, "checkpoint_pruned")[-1]["paths"] == [str(root / "6"), str(root / "8")]
+    # 7 and 4 are the rollback's newest two; 6 and 8 are the abandoned run's trained work: kept
+    assert sorted(p.name for p in root.iterdir()) == ["4", "6", "7", "8", "latest"]
+    assert events(tmp_path, "checkpoint_pruned")[-1]["paths"] == [str(root / "2")]
 
 
-def test_a_fresh_start_abandons_the_checkpoints_already_there_at_its_first_save(tmp_path: Path, capsys: Any) -> None:
+def test_a_fine_tune_from_best_in_the_same_directory_deletes_none_of_the_main_runs_checkpoints(
+    tmp_path: Path,
+) -> None:
+    run(tmp_path, 8, interval=2, keep_previous=1)  # 6, 8
+    CheckpointStore(tmp_path / "checkpoints").point("best", "6")
+    Trainer(CheckpointingHook(interval=1, keep_previous=1, load="best"), max_steps=7, workspace=tmp_path).train()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["6", "7", "8", "best", "latest"]
+
+
+def test_an_unkept_save_of_a_step_leaves_a_kept_copy_of_it_and_latest_takes_the_new_one(tmp_path: Path) -> None:
+    run(tmp_path, 8, interval=2, keep_previous=1, keep_steps=[8])  # 6, 8_keep
+    root = tmp_path / "checkpoints"
+    pinned = (root / "8_keep" / "manifest.json").read_bytes()
+    Trainer(CheckpointingHook(interval=2, keep_previous=1, load="6"), max_steps=8, workspace=tmp_path).train()
+    assert (root / "8_keep" / "manifest.json").read_bytes() == pinned  # the abandoned run's pinned step, intact
+    assert (root / "8").is_dir()
+    _resume(tmp_path)
+    assert events(tmp_path, "checkpoint_loaded")[-1]["path"] == str(root / "8")
+
+
+def test_a_fresh_start_abandons_the_checkpoints_already_there_at_its_first_save_and_keeps_them(
+    tmp_path: Path, capsys: Any
+) -> None:
     run(tmp_path, 8, keep_previous=1)
     Trainer(CheckpointingHook(interval=2, keep_previous=1, load=None), max_steps=2, workspace=tmp_path).train()
     assert "holds checkpoints up to step 8: once this run saves, they are abandoned" in capsys.readouterr().err
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "latest"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "4", "8", "latest"]
     _resume(tmp_path, steps=2)
     assert events(tmp_path, "checkpoint_loaded")[0]["from_step"] == 2
+
+
+def test_a_rollback_abandons_checkpoints_an_earlier_version_wrote_without_their_order(tmp_path: Path) -> None:
+    run(tmp_path, 8, interval=2, keep_previous=3)  # 2, 4, 6, 8
+    for manifest in (tmp_path / "checkpoints").glob("*/manifest.json"):  # as trainfsm wrote them before
+        fields = json.loads(manifest.read_text())
+        fields.pop("sequence", None), fields.pop("resumed", None)  # latest/ is 8/ again
+        manifest.write_text(json.dumps(fields))
+    Trainer(CheckpointingHook(interval=3, keep_previous=3, load="4"), max_steps=7, workspace=tmp_path).train()
+    _resume(tmp_path)
+    assert [e["from_step"] for e in events(tmp_path, "checkpoint_loaded")] == [4, 7]
 
 
 def test_a_newer_checkpoint_that_failed_to_read_once_is_not_abandoned(tmp_path: Path) -> None:

@@ -21,12 +21,14 @@ a path, 0 for ``load=None``, and for ``load="latest"`` the newest step it could 
 that a checkpoint skipped because a read failed once is not abandoned for it.
 
 ``CheckpointStore.candidates`` never offers an abandoned checkpoint to ``load="latest"``, and
-``prune`` deletes them first (a kept one, or one a pointer names, stays and loads by name). The
+``prune`` never deletes one (nor counts it in ``keep_previous``): it stays on disk and loads by
+name, until its owner deletes it; a rollback must not cost the run it rolled back. The
 information lives as long as one checkpoint of the rolling-back run does, and every later run's
 start repeats it for the abandoned checkpoints past its own start step.
 
-Checkpoints without a sequence (written by trainfsm before it recorded one, or by trainloop) take
-no part: neither abandoned nor abandoning, ordered by step as before.
+A trainfsm checkpoint without a sequence (written by a version before it recorded one) was written
+before any that has one: sequence 0, abandoned by a later rollback like any other, abandoning
+nothing. Only trainfsm's checkpoints take part; trainloop's are ordered by step, as before.
 """
 
 from __future__ import annotations
@@ -79,10 +81,13 @@ class Manifests:
 
 
 def read_written(manifest: Any) -> Written | None:
-    """The ``Written`` of a parsed manifest; None where it records no sequence."""
-    sequence = _int(manifest.get(SEQUENCE)) if isinstance(manifest, dict) else None
-    if sequence is None:
+    """The ``Written`` of a parsed manifest: sequence 0 and no start where it records none (an
+    earlier version's, written before every manifest that has one); None for no manifest at all."""
+    if not isinstance(manifest, dict):
         return None
+    sequence = _int(manifest.get(SEQUENCE))
+    if sequence is None:
+        return Written(0, None)
     resumed = manifest.get(RESUMED)
     step, before = (
         (_int(resumed.get("step")), _int(resumed.get("sequence"))) if isinstance(resumed, dict) else (None, None)

@@ -31,10 +31,12 @@ ASIDE: Final = f"{TMP_PREFIX}old-"  # an old copy a re-save moved aside: .tmp-ol
 
 def put_in_place(root: Path, tmp: Path, name: str) -> None:
     """Rename the complete checkpoint ``tmp`` to ``root / name``, durably, over the copy of its step
-    there (``<step>`` or ``<step>_keep``, the caller's: trainfsm replaces only its own), if any."""
+    there (the caller's: trainfsm replaces only its own), if any: a kept save (``<step>_keep``)
+    replaces both copies, an unkept one only ``<step>``, never a kept copy, which someone pinned
+    (``keep_steps``, ``keep_interval``), maybe in a run a rollback abandoned."""
     step = name.removesuffix(KEEP_SUFFIX)
     aside: list[tuple[Path, Path]] = []
-    for existing in (root / step, root / f"{step}{KEEP_SUFFIX}"):
+    for existing in {root / step, root / name}:
         if existing.exists():
             moved = root / f"{ASIDE}{existing.name}-{uuid.uuid4().hex[:8]}"
             existing.rename(moved)

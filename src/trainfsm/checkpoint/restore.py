@@ -218,8 +218,8 @@ def start_timeline(trainer: BaseTrainer, store: CheckpointStore, load: Path | st
             notice(
                 trainer.logger,
                 f"load=None starts from step 0, but {store.root} holds checkpoints up to step {newer[0].step}: once "
-                f'this run saves, they are abandoned (load="latest" no longer resumes from them, and pruning '
-                f'deletes those not kept). To resume from them, use load="latest".',
+                f'this run saves, they are abandoned: load="latest" no longer resumes from them (they stay on disk, '
+                f'never pruned: delete them when no longer needed). To resume from them, use load="latest".',
             )
     store.resumed_from(start)
 

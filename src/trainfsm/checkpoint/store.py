@@ -300,9 +300,13 @@ class CheckpointStore:
     def _room_held(self) -> int:
         """The bytes of the large files on disk that the run's saves will write over: the files
         kept for recycling, and those of our unkept checkpoints that pruning will recycle (not one
-        a pointer other than ``latest`` names), each with no other name (``prune``)."""
+        a pointer other than ``latest`` names, nor one a rollback abandoned or is about to: past
+        the step the run starts from, ``resumed_from``), each with no other name (``prune``)."""
         named = {name for pointer, name in self.pointers().items() if pointer != LATEST}
-        folders = [c.path for c in self.checkpoints() if c.ours and not c.kept and c.path.name not in named]
+        found = [c for c in self.checkpoints() if c.ours and not c.kept and c.path.name not in named]
+        dropped = self.abandoned(found)
+        start = self._resumed_step
+        folders = [c.path for c in found if c.path not in dropped and (start is None or c.step <= start)]
         held = 0
         for folder in [self.root / RECYCLE, *folders]:
             with contextlib.suppress(FileNotFoundError), os.scandir(folder) as entries:
@@ -596,10 +600,11 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ pruning
     def prune(self, keep_previous: int) -> list[Checkpoint]:
-        """Delete the checkpoints a rollback abandoned (``abandoned``), and complete, unkept ones
-        beyond the newest ``keep_previous + 1`` of the rest; never the newest complete one that
-        is not abandoned, never a kept one, never one a pointer (``latest``, ``best``) names, never
-        a directory trainfsm did not write (``foreign``).
+        """Delete complete, unkept checkpoints beyond the newest ``keep_previous + 1`` of the run's
+        timeline; never the newest complete one on it, never a kept one, never one a pointer
+        (``latest``, ``best``) names, never one a rollback abandoned (``abandoned``: kept on disk,
+        never loaded as ``latest``, counted in no ``keep_previous``), never a directory trainfsm did
+        not write (``foreign``).
 
         A pruned checkpoint's large files (``RECYCLED_BYTES`` or more) are recycled rather than
         deleted: its directory is renamed out of the way (gone from the store at once, as if
@@ -635,9 +640,12 @@ class CheckpointStore:
         complete = [c for c in self.checkpoints() if c.ours]
         if not complete:
             return []
-        dropped = self.abandoned(complete)  # pruned first: they count for no keep_previous
+        # Abandoned ones are never pruned (a rollback is the user's choice; the run it rolled back
+        # is trained work only they may delete) and count for no keep_previous: the window is the
+        # timeline's, or a rollback's saves would prune its own previous checkpoints.
+        dropped = self.abandoned(complete)
         timeline = [c for c in complete if c.path not in dropped]  # never empty: the newest-written is on it
-        protected = {c.path for c in complete if c.kept}
+        protected = {c.path for c in complete if c.kept} | dropped
         protected.add(timeline[-1].path)
         targets = set(self.pointers().values())
         protected.update(c.path for c in complete if c.path.name in targets)
