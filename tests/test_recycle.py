@@ -660,3 +660,19 @@ def test_where_sharing_cannot_be_known_only_the_stores_own_reserved_files_are_wr
         assert recycled(tmp_path).keys() <= reserved  # a pruned file is deleted, not kept
     assert len(reserved) == 2 and set(saved[:2]) == reserved
     store.close()
+
+
+@pytest.mark.parametrize(("start", "held"), [(6, 3), (2, 1)], ids=["resumed from the newest", "a rollback to 2"])
+def test_a_restarts_room_counts_only_the_checkpoints_its_run_will_prune(tmp_path: Path, start: int, held: int) -> None:
+    # A rollback's saves abandon 4 and 6, which pruning then never frees: they are no room for its saves.
+    model = {"model": torch.zeros(RECYCLED_BYTES // 4)}  # one large file a checkpoint
+    first = CheckpointStore(tmp_path, direct_io=False)
+    for step in (2, 4, 6):
+        first.save(step, model, keep=False)
+    first.close()
+    file = (tmp_path / "6" / "model.pt").stat().st_size
+    restart = CheckpointStore(tmp_path, direct_io=False)
+    restart.resumed_from(start)
+    reserved = restart.reserve({"model": file}, copies=4)
+    restart.close()
+    assert (reserved.bytes, reserved.allocated) == (0, (4 - held) * file)
