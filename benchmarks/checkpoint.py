@@ -110,6 +110,12 @@ def compare_sync(directory: Path, megabytes: int, rounds: int) -> dict[str, Any]
     deletion just before it, which in a training run happens long before the next save. The order
     is a new random one each round (seeded)."""
     state = state_of(megabytes)
+    # Each size's stores in a folder of their own: a fresh start, as the docstring's RESTORE is. In
+    # the folder of the size before, its last checkpoints would make this size's RESTORE a restart,
+    # whose room is allocated rather than written (CheckpointStore.reserve), so that its first saves
+    # write into unwritten blocks: a restart's cost, not the store's rate against the floor.
+    directory = directory / f"sync-{megabytes}"
+    directory.mkdir(parents=True, exist_ok=True)
     stores = {
         "ours": CheckpointStore(directory / "auto"),
         "ours, page cache": CheckpointStore(directory / "cached", direct_io=False),
