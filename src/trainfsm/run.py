@@ -118,10 +118,18 @@ class Hooks:
         for hook in self._before_optimizer_step:
             hook.on_before_optimizer_step(trainer)
 
-    def evaluate(self) -> None:
+    def evaluate(self, progress: fsm.Progress) -> None:
+        """The hooks' ``on_evaluate``, marked on ``progress`` while they run: the stall watchdog
+        gives evaluations a budget of their own (a run without one pays nothing for it)."""
+        if not self._evaluate:
+            return
         trainer = self.trainer
-        for hook in self._evaluate:
-            hook.on_evaluate(trainer)
+        progress.evaluating = True
+        try:
+            for hook in self._evaluate:
+                hook.on_evaluate(trainer)
+        finally:
+            progress.evaluating = False
 
     def step_info(self, info: StepInfo) -> None:
         trainer = self.trainer

@@ -423,12 +423,7 @@ class BaseTrainer(fsm.Triggers):
         # them is read after and honoured at this step (with one rank).
         stop = False
         if hooks.at_step_end:
-            progress = run.machine.progress
-            progress.evaluating = True  # the stall watchdog times evaluations apart from steps
-            try:
-                hooks.evaluate()
-            finally:
-                progress.evaluating = False
+            hooks.evaluate(run.machine.progress)
             hooks.step_info(info)  # before any on_after_step reads the step's figures
             stop = hooks.stop_wanted()
         code = run.preemption.at_step_end(self.step)
