@@ -32,9 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import torch
+    from tiny_job import TinyJobTrainer
     from torch import nn
 
-    from trainfsm import BaseTrainer, CheckpointingHook
+    from trainfsm import CheckpointingHook
     from trainfsm.checkpoint import io
 
     sync = io.DurableWriter.sync
@@ -50,19 +51,7 @@ def main(argv: list[str] | None = None) -> None:
 
         setattr(slurm, "REREAD_SECONDS", args.reread_seconds)  # noqa: B010 (a Final, changed for a test)
 
-    class Trainer(BaseTrainer):
-        def build_data_loader(self) -> Any:
-            g = torch.Generator().manual_seed(0)
-            data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g))
-            return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
-
-        def build_model(self) -> nn.Module:
-            torch.manual_seed(0)
-            return nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 1))
-
-        def build_optimizer(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.model.parameters(), lr=0.01)  # type: ignore[union-attr]
-
+    class Trainer(TinyJobTrainer):
         def build_hooks(self) -> list[Any]:
             return [CheckpointingHook(interval=args.interval, async_save=args.async_save, max_requeues=10)]
 
