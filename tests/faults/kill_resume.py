@@ -41,7 +41,8 @@ def child(workspace: Path, out: Path, slow: float) -> None:
     import torch
     from torch import nn
 
-    from trainfsm import BaseTrainer, CheckpointingHook
+    from tests.slurm.tiny_job import TinyJobTrainer
+    from trainfsm import CheckpointingHook
     from trainfsm.checkpoint import io as store
 
     if slow:  # widen the window in which a kill lands inside a checkpoint write
@@ -53,19 +54,7 @@ def child(workspace: Path, out: Path, slow: float) -> None:
 
         store.DurableWriter.finish = slow_finish  # type: ignore[method-assign]
 
-    class Trainer(BaseTrainer):
-        def build_data_loader(self) -> Any:
-            g = torch.Generator().manual_seed(0)
-            data = torch.utils.data.TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 1, generator=g))
-            return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
-
-        def build_model(self) -> nn.Module:
-            torch.manual_seed(0)
-            return nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.ReLU(), nn.Linear(16, 1))
-
-        def build_optimizer(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.model.parameters(), lr=0.01)  # type: ignore[union-attr]
-
+    class Trainer(TinyJobTrainer):  # the SLURM job scripts' trainer
         def build_hooks(self) -> list[Any]:
             exit_signals = [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT]
             return [CheckpointingHook(interval=3, keep_previous=1, exit_signals=exit_signals)]
