@@ -13,7 +13,8 @@ import pytest
 
 SCONTROL = """#!/bin/sh
 # A stand-in for SLURM's scontrol: "show job -o ID" prints EndTime from $FAKE_SLURM/end (epoch seconds
-# when SLURM_TIME_FORMAT=%s, else SLURM's default local time), "requeue ID" is logged. Every call too.
+# when SLURM_TIME_FORMAT=%s, else SLURM's default local time), "requeue ID" is logged and SIGTERM
+# follows, as from SLURM. Every call is logged too.
 # With $FAKE_SLURM/down present it fails as scontrol does when slurmctld does not answer.
 echo "$SLURM_TIME_FORMAT|$*" >>"$FAKE_SLURM/calls"
 if [ -e "$FAKE_SLURM/down" ]; then
@@ -26,7 +27,13 @@ show)
   [ "$SLURM_TIME_FORMAT" = "%s" ] || end=$(date -d "@$end" +%Y-%m-%dT%H:%M:%S)
   echo "JobId=$4 JobName=fake JobState=RUNNING BatchFlag=1 TimeLimit=00:01:00 StartTime=0 EndTime=$end"
   ;;
-requeue) echo "$2" >>"$FAKE_SLURM/requeued" ;;
+requeue)
+  echo "$2" >>"$FAKE_SLURM/requeued"
+  # SLURM then sends the job SIGTERM; here only to a caller that catches it (SigCgt bit 14), as a
+  # trainer whose exit signals name SIGTERM does: the test's own process must not die of it.
+  caught=$(awk '/^SigCgt:/ { print $2 }' "/proc/$PPID/status")
+  if [ $(( (0x$caught >> 14) & 1 )) = 1 ]; then kill -TERM "$PPID"; fi
+  ;;
 esac
 """
 

@@ -83,6 +83,11 @@ def trainer(
     return TinyTrainer(max_steps=steps, workspace=workspace, hooks=hooks, **kwargs)
 
 
+def job_ending(end: float, job_id: str = "7") -> slurm.SlurmJob:
+    """A job with that end (epoch seconds), in a partition that never preempts."""
+    return slurm.SlurmJob(job_id, None, None, 0, None, None, end_time=end)
+
+
 def parameters(run: TinyTrainer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in run.model.parameters()]  # type: ignore[union-attr]
 
@@ -116,7 +121,7 @@ def test_a_bad_job_end_margin_names_the_argument_and_what_it_takes(value: Any, e
 
 # ---------------------------------------------------------------- pure parts
 def test_the_deadline_adds_the_steps_a_save_the_exit_and_the_margin() -> None:
-    end = JobEnd("7", 1000.0)  # not started: the end stays where it is
+    end = JobEnd(job_ending(1000.0))  # not started: the end stays where it is
     one = Deadline(job_end=end, margin=2.0, steps=1)
     needed = 1 * 3.0 + 4.0 + EXIT_SECONDS + 2.0
     assert one.due(1000.0 - needed - 0.01, step=3.0, save=4.0) is None
@@ -146,7 +151,7 @@ def test_an_asynchronous_saves_write_counts_and_so_does_the_rest_of_one_in_fligh
     assert clock.unwritten(now=100.0) == (3.0, 2.0)
     assert clock.unwritten(now=104.0) == (5.0, 0.0)  # slower than any before: the next may be as slow
     needed = 1 * 0.5 + 0.01 + 5.0 + EXIT_SECONDS + 1.0
-    deadline = Deadline(JobEnd("7", 1000.0), 1.0, 1)
+    deadline = Deadline(JobEnd(job_ending(1000.0)), 1.0, 1)
     figures = deadline.due(1000.0 - needed + 0.01, step=0.5, save=0.01, write=5.0)
     assert figures is not None and figures["needed"] == round(needed, 3) and figures["write_seconds"] == 5.0
     assert deadline.due(1000.0 - needed - 0.01, step=0.5, save=0.01, write=5.0) is None
@@ -168,7 +173,7 @@ def test_the_jobs_end_is_read_again_on_a_thread_and_a_failed_read_keeps_the_last
     """``JobEnd`` reads ``scontrol`` every ``every`` seconds until ``stop``: a new end is taken; a
     controller that does not answer leaves the last one (the deadline stays armed); after ``stop``
     nothing is read and the thread is gone."""
-    job_end = slurm.JobEnd("4242", fake_slurm.end_in(3600.0), every=0.05).start()
+    job_end = slurm.JobEnd(job_ending(fake_slurm.end_in(3600.0), "4242"), every=0.05).start()
     try:
         later = fake_slurm.end_in(7200.0)
         wait_until(lambda: job_end.end_time == later)
@@ -236,7 +241,10 @@ def test_the_trainer_leaves_by_the_preemption_path_before_the_jobs_end_and_resum
     start = events[0]
     assert start["event"] == "run_start" and start["slurm"]["end_time"] == end
     names = [e["event"] for e in events]
-    assert "signal_received" not in names  # no signal came: the job's end did
+    # No signal came before the job's end did; SLURM's SIGTERM after the requeue is in the trail, before exit.
+    [term] = [e for e in events if e["event"] == "signal_received"]
+    assert (term["signal"], term["at_state"]) == ("SIGTERM", "EXIT")
+    assert names.index("requeue") < names.index("signal_received") < names.index("exit")
     [made] = [e for e in events if e["event"] == "deadline"]
     [agreed] = [e for e in events if e["event"] == "signal_agreed"]
     assert names.index("deadline") + 1 == names.index("signal_agreed")
@@ -248,6 +256,7 @@ def test_the_trainer_leaves_by_the_preemption_path_before_the_jobs_end_and_resum
     assert [e["saved_step"] for e in saved] == [agreed["agreed_step"]] and saved[0]["ts"] < end
     [job_end] = [e for e in events if e["event"] == "job_end"]
     assert (job_end["end_time"], job_end["after"], job_end["state"]) == (end, "deadline", "EXIT")
+    assert (job_end["applied"], job_end["kill_start"], job_end["job_state"]) == ("time_limit", end, "RUNNING")
     assert names.index("job_end") < names.index("requeue") < names.index("exit")
     assert fake_slurm.requeued() == ["4242"]
     assert (events[-1]["event"], events[-1]["reason"], events[-1]["code"]) == ("exit", "preempted", 143)
@@ -266,9 +275,11 @@ def test_the_trainer_leaves_by_the_preemption_path_before_the_jobs_end_and_resum
     )
     assert 0 <= timing["step_finished"] <= timing["agreed"] <= timing["durable"] <= timing["exit"]
     assert timing["job_end"] == end and timing["job_end_read"] == "signal" and timing["margin"] > 0
-    text = audit.render(report)  # no signal came: the report does not say one was received
+    text = audit.render(report)  # no signal came before the end: the one received is SLURM's after the requeue
+    step = agreed["agreed_step"]
     assert (
-        f"  signals: none; the job's end near: agreed at step {agreed['agreed_step']} to leave as if by SIGTERM" in text
+        f"  signals: SIGTERM on rank 0 at step {step} (EXIT); the job's end near: agreed at step {step} to leave "
+        "as if by SIGTERM" in text
     )
 
     fake_slurm.end_in(3600.0)

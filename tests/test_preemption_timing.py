@@ -126,7 +126,7 @@ def test_under_slurm_the_margin_is_the_jobs_end_less_the_exit(tmp_path: Path, mo
     report = audit.audit([tmp_path / "run"])
     [line] = preemption_lines(audit.render(report))
     assert re.fullmatch(
-        rf"preemption: SIGUSR1 at step 3; {MARKS}; job end \+\d+\.\d s \(read after the signal\), "
+        rf"preemption: SIGUSR1 at step 3; {MARKS}; deadline \+\d+\.\d s \(the time limit, KillWait not known\), "
         r"margin \d+\.\d s at exit",
         line,
     ), line

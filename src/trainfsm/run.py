@@ -34,7 +34,7 @@ import platform
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -291,8 +291,8 @@ def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, 
     events.previous_end = previous
     trainer.events = events.log
     job = slurm.detect()
-    if job is not None and rank == 0:  # the job's end: one scontrol call per job, not per rank
-        job = replace(job, end_time=slurm.end_time(job.job_id))
+    if job is not None and rank == 0:  # the job's end and partition: scontrol calls per job, not per rank
+        job = slurm.with_job_details(job)
     trainer.slurm = job
     preemption.open_trail(events.log, rank, world, trainer.slurm)
     events.log.info(

@@ -12,6 +12,7 @@ of a step in ``trainfsm.step.Stepper``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from time import perf_counter
@@ -296,9 +297,16 @@ class BaseTrainer(fsm.Triggers):
         finally:
             if run.watchdog is not None:  # stopped at EXIT already, unless EXIT was never reached
                 run.watchdog.stop()
-            event_log.close()
+            try:
+                if self.exit_reason is ExitReason.PREEMPTED:
+                    # With the trail open: a signal that cuts exit_wait short (SLURM's kill) is
+                    # recorded after ``exit``, as is one that came during EXIT's last lines.
+                    preemption.wait_before_exit()
+                with contextlib.suppress(Exception):  # a record at most: never the run's outcome
+                    preemption.report()
+            finally:
+                event_log.close()
         if self.exit_reason is ExitReason.PREEMPTED:
-            preemption.wait_before_exit()
             raise SystemExit(self.exit_code)
         if run.exit_errors:  # EXIT's work failed after training completed: recorded, now raised
             raise run.exit_errors[0]
@@ -306,7 +314,7 @@ class BaseTrainer(fsm.Triggers):
     def _watchdog(self, progress: Progress, run: Run) -> Watchdog | None:
         """The watchdog thread of this ``train()``, started: stalls, and the job's end (rank 0 under
         SLURM with a time limit); None when neither is watched."""
-        job_end = run.preemption.follow_job_end() if self.job_end_margin is not None else None
+        job_end = run.preemption.follow_job_end(for_deadline=self.job_end_margin is not None)
         deadline = Deadline.for_job(job_end, self.job_end_margin, self.world_size)
         if self.stall_timeout is None and deadline is None:
             return None

@@ -24,10 +24,26 @@
 #
 # Environment:
 #   TRAINFSM_SLURM_DIR       state directory                                  [/tmp/trainfsm-slurm]
-#   TRAINFSM_SLURM_CPUS      CPUs the node advertises                         [4]
+#   TRAINFSM_SLURM_CPUS      CPUs of the default partition, debug             [4]
 #   TRAINFSM_SLURM_KILLWAIT  KillWait, in seconds                             [10]
 #   TRAINFSM_SLURM_PORT      slurmctld's port; slurmd uses the next one       [6817]
 #   TRAINFSM_SLURM_TIMEOUT   seconds `start` waits for the node to be idle    [60]
+#   TRAINFSM_SLURM_GRACE     GraceTime of the preemptible partitions, seconds [30]
+#   TRAINFSM_SLURM_USER_SIGNAL  1: SlurmctldParameters=preempt_send_user_signal [0]
+#
+# Preemption (issue 47): PreemptType=preempt/partition_prio. A job in `high` (PriorityTier=2, never
+# preempted) that needs CPUs a job of a lower tier holds preempts it:
+#   low          PreemptMode=REQUEUE GraceTime=$TRAINFSM_SLURM_GRACE
+#   low-cancel   PreemptMode=CANCEL  GraceTime=$TRAINFSM_SLURM_GRACE
+#   low-nograce  PreemptMode=REQUEUE GraceTime=0
+#   debug        the default partition, PreemptMode=OFF: the other tests' jobs are never preempted
+# The node advertises TRAINFSM_SLURM_CPUS + 6 CPUs; debug's jobs may use TRAINFSM_SLURM_CPUS of them, the
+# other partitions' 6 (MaxCPUsPerNode). A preemption test's low job asks for 5 CPUs and its high job
+# for 6: the high job fits only once the low one is gone, whatever the debug jobs use meanwhile.
+# Without preempt_send_user_signal SLURM signals a preempted job's steps only (SIGCONT+SIGTERM) at
+# the start of its grace time, and the batch script (an `exec python` job) nothing until the grace
+# time is over; with it, the job's --signal too, at once. `bash cluster.sh user-signal on|off`
+# changes it on a running cluster (slurm.conf, then `scontrol reconfigure`).
 set -euo pipefail
 
 S=${TRAINFSM_SLURM_DIR:-/tmp/trainfsm-slurm}
@@ -35,6 +51,8 @@ CPUS=${TRAINFSM_SLURM_CPUS:-4}
 KILLWAIT=${TRAINFSM_SLURM_KILLWAIT:-10}
 PORT=${TRAINFSM_SLURM_PORT:-6817}
 TIMEOUT=${TRAINFSM_SLURM_TIMEOUT:-60}
+GRACE=${TRAINFSM_SLURM_GRACE:-30}
+USER_SIGNAL=${TRAINFSM_SLURM_USER_SIGNAL:-0}
 CONF=$S/etc/slurm.conf
 SOCK=$S/munge/munge.sock
 NODE=$(hostname -s 2>/dev/null || cat /proc/sys/kernel/hostname)
@@ -59,7 +77,7 @@ up() { alive munged && alive slurmctld && alive slurmd && SLURM_CONF=$CONF timeo
 
 usage() {
   cat <<EOF
-SLURM is up: node $NODE, $CPUS CPUs, partition debug (state directory $S).
+SLURM is up: node $NODE, $((CPUS + 6)) CPUs, partitions debug ($CPUS CPUs), low, low-cancel, low-nograce, high (state directory $S).
   export SLURM_CONF=$CONF    # or: eval "\$(bash $0 env)"
   sbatch --parsable job.sh; squeue; scontrol show job JOBID
   logs: $S/log/    stop: bash $0 stop
@@ -142,9 +160,32 @@ InactiveLimit=0
 Waittime=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$mem_mb State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Preemption by partition priority: see the header. GraceTime, PreemptMode are per partition.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+$(user_signal_line "$USER_SIGNAL")
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$((CPUS + 6)) RealMemory=$mem_mb State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PreemptMode=OFF MaxCPUsPerNode=$CPUS
+PartitionName=low Nodes=ALL MaxTime=INFINITE State=UP MaxCPUsPerNode=6 PriorityTier=1 PreemptMode=REQUEUE GraceTime=$GRACE
+PartitionName=low-cancel Nodes=ALL MaxTime=INFINITE State=UP MaxCPUsPerNode=6 PriorityTier=1 PreemptMode=CANCEL GraceTime=$GRACE
+PartitionName=low-nograce Nodes=ALL MaxTime=INFINITE State=UP MaxCPUsPerNode=6 PriorityTier=1 PreemptMode=REQUEUE GraceTime=0
+PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP MaxCPUsPerNode=6 PriorityTier=2 PreemptMode=OFF
 EOF
+}
+
+# user_signal_line 0|1: slurm.conf's line for SLURM 22.05's preempt_send_user_signal (a comment when 0).
+user_signal_line() {
+  if [ "$1" = 1 ]; then echo "SlurmctldParameters=preempt_send_user_signal"; else echo "#SlurmctldParameters="; fi
+}
+
+# user-signal on|off: preempt_send_user_signal on the running cluster (slurm.conf, then reconfigure).
+cmd_user_signal() {
+  local value
+  case ${1:-} in on) value=1 ;; off) value=0 ;; *) log "usage: cluster.sh user-signal on|off" && exit 2 ;; esac
+  up || { log "the cluster is not up"; exit 1; }
+  sed -i "s/^#\\{0,1\\}SlurmctldParameters=.*/$(user_signal_line "$value")/" "$CONF"
+  SLURM_CONF=$CONF timeout 30 scontrol reconfigure
+  log "preempt_send_user_signal $1"
 }
 
 # start_daemon NAME CMD...: run CMD detached (own session; stdin, stdout and stderr on files, so no
@@ -266,6 +307,7 @@ case ${1:-} in
   start) cmd_start ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
+  user-signal) cmd_user_signal "${2:-}" ;;
   env) printf 'export SLURM_CONF=%q\n' "$CONF" ;;
   *) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2 && exit 2 ;;
 esac

@@ -13,9 +13,12 @@ point of the machine, and acts on the answer with a transition:
 The job's end is a fourth way in: under SLURM with a time limit the watchdog's thread calls
 ``deadline_reached`` when the time left no longer covers the way out
 (``trainfsm.preemption.deadline``), and the run leaves as if the policy's first signal had come.
-Rank 0 also reads the job's end from SLURM again at a preemption (``job_end``), for the audit's
-margin: a preemption with a grace time moves it; and, while the deadline watches it, every
-minute (``follow_job_end``): ``scontrol update TimeLimit=`` moves it too.
+Rank 0 also reads the job from SLURM again at a preemption (``job_end``: which deadline applied,
+``slurm.deadline_after``), for the audit's margin; and, while the deadline watches the job's end or
+its partition preempts with a grace time, every minute or every third of the grace time
+(``follow_job_end``): ``scontrol update TimeLimit=`` moves the end, and a preemption by another
+job sets ``PreemptTime``, which takes the run out at once (``slurm_preempted``, the trail's
+``preempted``): SLURM signals an ``exec python`` batch job only when the grace time is over.
 
 A scheduler's signal (SLURM's ``--signal=B:USR1@120``, a ``SIGTERM`` before a kill) can arrive at
 any instant: inside a kernel launch, a checkpoint write, a collective. The handler therefore only
@@ -158,6 +161,10 @@ class Preemption:
         self.rank, self.world = 0, 1
         self.job: slurm.SlurmJob | None = None
         self.requeued = False
+        #: Who put the job back in the queue: "trainer" (``scontrol requeue``), "slurm" (it had
+        #: already: ``PreemptMode=REQUEUE``), or None.
+        self.requeued_by: str | None = None
+        self._after_signal: slurm.JobView | None = None  # rank 0: the job as read after the signal
         self._step_agreement: SignalAgreement | None = None
         # Where the signal pending on any rank at a step's end comes from, when not from this
         # rank alone (None): the step's signal all-reduce, or the last micro-batch agreement's.
@@ -166,9 +173,16 @@ class Preemption:
         # The job's end: the watchdog's figures when it raised the deadline (written by the trainer's
         # thread at the step's end), and rank 0's read of the end at a preemption.
         self._deadline: dict[str, Any] | None = None
-        self._end_read: slurm.EndTimeRead | None = None
-        self._job_end: slurm.JobEnd | None = None  # rank 0, while the deadline watches the job's end
+        self._end_read: slurm.JobRead | None = None
+        self._job_end: slurm.JobEnd | None = None  # rank 0, while it follows the job (see follow_job_end)
         self._cause = "signal"
+        # Rank 0: SLURM chose the job for preemption (its PreemptTime, seen by ``JobEnd``'s thread),
+        # and whether the trail has said so yet.
+        self._preemption: slurm.JobView | None = None
+        self._preemption_noticed_at = 0.0
+        self._preemption_reported = False
+        self._left_at: float | None = None  # when the first signal (or the notice) made the run leave
+        self._left_by = 0  # and which signal (the policy's first for the deadline or a notice)
 
     def open_trail(self, log: Any, rank: int, world: int, job: slurm.SlurmJob | None) -> None:
         self.log, self.rank, self.world, self.job = log, rank, world, job
@@ -180,15 +194,32 @@ class Preemption:
         restore_launcher_death(self._launcher_death)
         self.watcher.restore()
 
-    def follow_job_end(self) -> slurm.JobEnd | None:
-        """The job's end as SLURM has it, read again every ``slurm.REREAD_SECONDS`` until ``stop``:
-        rank 0 under SLURM with a time limit (the one rank that read it at the start), for the
-        deadline; None elsewhere."""
+    def follow_job_end(self, for_deadline: bool = True) -> slurm.JobEnd | None:
+        """The job as SLURM has it, read again every ``slurm.reread_seconds`` until ``stop``: on
+        rank 0 (the one rank that read it at the start) under SLURM, with a time limit when the
+        deadline watches it (``for_deadline``), or in a partition that preempts with a grace time
+        (a ``PreemptTime`` takes the run out: ``slurm_preempted``); None elsewhere."""
         job = self.job
-        if job is None or job.end_time is None:
+        if job is None or self.rank != 0:
             return None
-        self._job_end = slurm.JobEnd(job.job_id, job.end_time).start()
+        preemptible = slurm.reread_seconds(job) < slurm.REREAD_SECONDS or job.preempt_time is not None
+        if not preemptible and not (for_deadline and job.end_time is not None):
+            return None
+        self._job_end = slurm.JobEnd(job, on_preempted=self.slurm_preempted).start()
         return self._job_end
+
+    def slurm_preempted(self, view: slurm.JobView) -> bool:
+        """From ``JobEnd``'s thread: SLURM chose the job for preemption (``view.preempt_time``).
+        Pending from now on as the exit policy's first signal (the ``DEADLINE`` bit), unless a
+        signal is already pending (SLURM's user signal may have come first): the same way out.
+        False while the policy is not known (BUILD), so that it is offered again."""
+        policy = self.policy
+        if policy is None or not policy.signals:
+            return False
+        self._preemption_noticed_at = time.time()
+        self._preemption = view  # before the bit: the trainer's thread reads it once it sees it
+        self.watcher.raise_deadline(policy.signals[0])
+        return True
 
     # ---------------------------------------------------------------- BUILD
     def decide(self, hooks: Sequence[BaseHook], agreement: LossNoneAgreement | None) -> ExitPolicy | None:
@@ -248,7 +279,7 @@ class Preemption:
             return None
         code = self._preempted_by(pending)
         figures = self._deadline
-        if pending & DEADLINE and figures is not None:  # this rank saw the job's end coming
+        if pending & DEADLINE and figures is not None and self._preemption is None:  # the job's end coming
             self.log.warning("deadline", **figures)
         self.log.info(
             "signal_agreed",
@@ -279,13 +310,39 @@ class Preemption:
             self._agreed()
 
     def _preempted_by(self, pending: int) -> int:
+        arrivals = self.watcher.received
+        if self._left_at is None:
+            self._left_at = arrivals[0].at if arrivals else time.time()
+            self._left_by = pending & SIGNAL_BITS
         self.report()
-        self._cause = "deadline" if pending & DEADLINE else "signal"
+        self._report_preemption()
+        if self._preemption is not None:
+            self._cause = "preemption"
+        else:
+            self._cause = "deadline" if pending & DEADLINE else "signal"
         job = self.job
-        if job is not None and job.end_time is not None and self.rank == 0 and self._end_read is None:
-            self._end_read = slurm.EndTimeRead(job.job_id).start()  # overlaps the save; see at_exit
+        if job is not None and self.rank == 0 and self._end_read is None:
+            self._end_read = slurm.JobRead(job.job_id).start()  # overlaps the save; see at_exit
         signum = pending & SIGNAL_BITS
         return self.policy.exit_code(signum) if self.policy is not None else 128 + signum
+
+    def _report_preemption(self) -> None:
+        """The trail's ``preempted``, once, from the trainer's thread: when SLURM chose the job,
+        the grace time's end, and when rank 0 saw it."""
+        view = self._preemption
+        if view is None or self._preemption_reported:
+            return
+        self._preemption_reported = True
+        job = self.job
+        self.log.warning(
+            "preempted",
+            preempt_time=view.preempt_time,
+            grace_end=view.end_time,
+            grace_time=job.grace_time if job else None,
+            mode=job.preempt_mode if job else None,
+            read_at=round(view.read_at, 3),
+            noticed_at=round(self._preemption_noticed_at, 3),
+        )
 
     def report(self) -> None:
         """Record the arrivals not yet in the trail."""
@@ -303,6 +360,7 @@ class Preemption:
         """Entering EXIT's own work, after the hooks' (the checkpoint is durable by then)."""
         self._decide_held()  # BUILD failed before the policy was known: held signals are passed on
         self.report()
+        self._report_preemption()
         if preempted and not self.watcher.pending:  # another rank's signal: this node's agent got none
             agent = stop_launcher_at_exit(signal.SIGTERM)
             if agent is not None:
@@ -310,13 +368,43 @@ class Preemption:
         if preempted and self.rank == 0:
             self._record_job_end()  # before the requeue, which gives the job a new end
             self._requeue()
+            if self.requeued_by == "trainer":
+                self._await_requeue_signal()
+            self.report()
+
+    #: After ``scontrol requeue``, SLURM sends the job SIGTERM (4-14 ms later, measured): waited
+    #: for this long at most, so that the trail records it before ``exit``.
+    REQUEUE_SIGNAL_SECONDS: Final = 2.0
+
+    def _await_requeue_signal(self) -> None:
+        """The SIGTERM a requeue brings, when SIGTERM is one of ours (else it ends the process)."""
+        if signal.SIGTERM in (self.watcher.acting or ()):
+            self.watcher.wait_for_arrival(self.REQUEUE_SIGNAL_SECONDS)
 
     def _record_job_end(self) -> None:
-        """The job's end as SLURM has it after the signal (read since the preemption began)."""
+        """The job as SLURM has it after the signal (read since the preemption began): its end,
+        and the deadline that applied (``slurm.deadline_after``)."""
         read, self._end_read = self._end_read, None
-        if read is not None:
-            end_time, read_at = read.result()
-            self.log.info("job_end", end_time=end_time, read_at=read_at, after=self._cause)
+        if read is None:
+            return
+        view, wait = read.result()
+        self._after_signal = view
+        job = self.job
+        left_at = self._left_at if self._left_at is not None else time.time()
+        sigterm = self._cause == "signal" and self._left_by == signal.SIGTERM
+        kill = slurm.deadline_after(view, job, left_at, wait, sigterm) if job is not None else None
+        self.log.info(
+            "job_end",
+            end_time=view.end_time if view else None,
+            read_at=round(view.read_at, 3) if view else None,
+            after=self._cause,
+            applied=kill.applied if kill else None,
+            kill_start=kill.kill_start if kill else None,
+            kill_wait=wait,
+            kill_at=kill.kill_at if kill else None,
+            job_state=view.state if view else None,
+            restarts=view.restarts if view else None,
+        )
 
     def stopped_for_restart(self) -> str | None:
         """A collective failed: if an exit signal had reached this rank under torchrun, the name of
@@ -354,16 +442,44 @@ class Preemption:
         if cap is not None and job.restart_count >= cap:
             refused = f"SLURM_RESTART_COUNT={job.restart_count} reached max_requeues={cap}"
         if refused is not None:
-            record("error", event="requeue", command=None, ok=False, message=f"not requeued: {refused}")
+            record(
+                "error", event="requeue", command=None, ok=False, message=f"not requeued: {refused}", requeued_by=None
+            )
+            return
+        if slurm.requeued_by_slurm(self._after_signal, job):  # PreemptMode=REQUEUE did it already
+            self._requeued_by_slurm(record, None, self._after_signal)
             return
         result = slurm.requeue(job)
+        if not result.ok:  # "Job is pending execution": SLURM may have requeued it meanwhile
+            view = slurm.show_job(job.job_id)
+            if slurm.requeued_by_slurm(view, job):
+                self._requeued_by_slurm(record, result, view)
+                return
         self.requeued = result.ok
+        self.requeued_by = "trainer" if result.ok else None
         record(
             "info" if result.ok else "error",
             event="requeue",
             command=" ".join(result.command),
             ok=result.ok,
             message=result.message,
+            requeued_by=self.requeued_by,
+        )
+
+    def _requeued_by_slurm(
+        self, record: Callable[..., None], result: slurm.RequeueResult | None, view: slurm.JobView | None
+    ) -> None:
+        """SLURM requeued the job itself: the run will resume, and nothing failed."""
+        self.requeued, self.requeued_by = True, "slurm"
+        said = f"; scontrol requeue said: {result.message}" if result is not None else ""
+        state = f"JobState={view.state} Restarts={view.restarts}" if view is not None else ""
+        record(
+            "info",
+            event="requeue",
+            command=" ".join(result.command) if result is not None else None,
+            ok=True,
+            message=f"SLURM requeued the job itself ({state}){said}",
+            requeued_by="slurm",
         )
 
     def wait_before_exit(self) -> None:

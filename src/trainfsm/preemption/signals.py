@@ -241,7 +241,11 @@ class SignalWatcher:
         new, self.received = self.received, []
         return new
 
-    def sleep(self, seconds: float) -> None:
+    def wait_for_arrival(self, seconds: float) -> None:
+        """Until a signal not yet reported (``take_new``) has arrived, ``seconds`` at most."""
+        self.sleep(seconds, arrival=True)
+
+    def sleep(self, seconds: float, arrival: bool = False) -> None:
         """``exit_wait``: a further signal cuts it short.
 
         A pipe that lives only while this waits: the handler writes a byte to it and ``poll``
@@ -256,7 +260,8 @@ class SignalWatcher:
             poller = select.poll()
             poller.register(read, select.POLLIN)
             self._wake = write
-            poller.poll(seconds * 1000.0)
+            if not (arrival and self.received):  # with ``arrival``: one came before the pipe was there
+                poller.poll(seconds * 1000.0)
         finally:
             self._wake = -1  # first: a handler run from here on writes nothing to a closed pipe
             os.close(read)

@@ -3,7 +3,10 @@ SLURM, how much time was left before the job's end.
 
 For each attempt that was preempted (some rank agreed on a signal or on the job's end, or exited
 ``preempted``), in seconds after the signal (the attempt's first ``signal_received`` on any rank;
-for the trainer's own deadline, the moment it decided, ``deadline.decided_at``):
+for the trainer's own deadline, the moment it decided, ``deadline.decided_at``; for a preemption
+rank 0 saw in the job's ``PreemptTime``, that time, when SLURM chose the job):
+
+- **noticed**: a preemption seen in ``PreemptTime``: when the trainer took it (``preempted``);
 
 - **step finished**: the agreed step's end, on the last rank that had the signal pending itself
   (``signal_agreed.step_ended_at``);
@@ -12,9 +15,11 @@ for the trainer's own deadline, the moment it decided, ``deadline.decided_at``):
 - **process exit**: the last rank's ``exit`` event (the process ends just after it; with
   ``exit_wait`` and no requeue, that much later).
 
-Under SLURM, the job's end is the one rank 0 read after the signal (``job_end``; a preemption's
-grace time moves it), else the one of ``run_start``. The *warning* is the job's end less the
-signal, the *margin* the job's end less the exit.
+Under SLURM, the deadline is the one that applied, as rank 0 read the job after the signal
+(``job_end``: ``kill_at``, when SLURM's SIGKILL may come: the grace time's end, the time limit, or
+the signal itself when it was SLURM's kill, plus ``KillWait``; ``applied`` says which); for a trail
+written before ``kill_at``, the job's end read after the signal, else the one of ``run_start``. The
+*warning* is the deadline less the signal, the *margin* the deadline less the exit.
 
 A margin under ``THIN_MARGIN`` of the warning, or a checkpoint durable only after the job's end,
 is a note, not a run problem. The run did not go wrong: the checkpoint is durable and the next
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
 #: A margin under this share of the warning is worth a note.
 THIN_MARGIN: Final = 0.25
 GUIDE: Final = "docs/guides/preemption.md#how-much-lead-time"
+PREEMPTION_GUIDE: Final = "docs/guides/preemption.md#preemption-by-another-job"
 
 
 def entry(ranks: list[RankAttempt]) -> dict[str, Any] | None:
@@ -46,11 +52,19 @@ def entry(ranks: list[RankAttempt]) -> dict[str, Any] | None:
     if not agreed and not any((r.exit or {}).get("reason") == "preempted" for r in ranks):
         return None
     deadlines = [t["deadline"] for t in timing if "deadline" in t]
-    cause = "deadline" if deadlines or any(t.get("cause") == "deadline" for t in timing) else "signal"
+    preempted = next((t["preempted"] for t in timing if "preempted" in t), None)
+    if any(t.get("cause") == "preemption" for t in timing):
+        cause = "preemption"
+    elif deadlines or any(t.get("cause") == "deadline" for t in timing):
+        cause = "deadline"
+    else:
+        cause = "signal"
     received = sorted((s for r in ranks for s in r.received), key=lambda s: s["ts"])
     first = ranks[0]
-    if deadlines:
-        start: float | None = min(d["decided_at"] for d in deadlines)
+    if cause == "preemption" and preempted is not None:
+        start: float | None = preempted["preempt_time"]
+    elif deadlines:
+        start = min(d["decided_at"] for d in deadlines)
     elif cause == "signal" and received:
         start = received[0]["ts"]
     else:
@@ -61,6 +75,7 @@ def entry(ranks: list[RankAttempt]) -> dict[str, Any] | None:
     exits = [t.get("exit_at") for t in timing]
     exit_at = max(exits) if exits and None not in exits else None  # type: ignore[type-var]
     job_end, read = _job_end(first)
+    applied = (first.timing.get("job_end") or {}).get("applied") if read == "signal" else None
 
     def since(ts: float | None) -> float | None:
         return None if ts is None or start is None else round(ts - start, 3)
@@ -71,12 +86,16 @@ def entry(ranks: list[RankAttempt]) -> dict[str, Any] | None:
         "at": start,
         "at_step": received[0]["at_step"] if received and cause == "signal" else agreed_step,
         "agreed_step": agreed_step,
+        "preempted": preempted,
+        "noticed": since(preempted["noticed_at"]) if preempted else None,
         "step_finished": since(max(ended) if ended else None),
         "agreed": since(max(agreed) if agreed else None),
         "durable": since(max(durable) if durable else None),
         "exit": since(exit_at),
         "job_end": job_end,
         "job_end_read": read,
+        "applied": applied,
+        "kill_wait": (first.timing.get("job_end") or {}).get("kill_wait") if applied else None,
         "warning": since(job_end),
         "margin": None if job_end is None or exit_at is None else round(job_end - exit_at, 3),
         "save_after_end": bool(durable and job_end is not None and max(durable) > job_end),
@@ -85,9 +104,12 @@ def entry(ranks: list[RankAttempt]) -> dict[str, Any] | None:
 
 
 def _job_end(rank: RankAttempt) -> tuple[float | None, str | None]:
-    """The job's end: as read after the signal, else at ``run_start``; and which."""
+    """The deadline: the one that applied as read after the signal (``kill_at``), else (an older
+    trail, or ``KillWait`` not known) the job's end read after it, else at ``run_start``; and which."""
     read = rank.timing.get("job_end") or {}
-    if read.get("end_time") is not None:
+    if read.get("kill_at") is not None:
+        return read["kill_at"], "signal"
+    if read.get("end_time") is not None and "applied" not in read:  # a trail written before kill_at
         return read["end_time"], "signal"
     at_start = rank.timing.get("job_end_at_start")
     return (at_start, "start") if at_start is not None else (None, None)
@@ -100,11 +122,20 @@ def text(found: dict[str, Any]) -> str:
         what = f"the job's end (exit as {found['signal']}), decided at step {found['agreed_step']}"
         if deadline:
             what += f" with {deadline['left']:.1f} s left for a way out of {deadline['needed']:.1f} s"
+    elif found["cause"] == "preemption":
+        preempted = found["preempted"] or {}
+        grace = preempted.get("grace_time")
+        what = (
+            f"SLURM preempted the job (PreemptMode={preempted.get('mode')}"
+            + (f", GraceTime {grace:g} s" if grace is not None else "")
+            + f"; exit as {found['signal']}), agreed at step {found['agreed_step']}"
+        )
     else:
         what = f"{found['signal']} at step {found['at_step']}"
     marks = [
         (label, found[key])
         for label, key in (
+            ("noticed", "noticed"),
             ("step finished", "step_finished"),
             ("ranks agreed", "agreed"),
             ("checkpoint durable", "durable"),
@@ -116,11 +147,30 @@ def text(found: dict[str, Any]) -> str:
     if found["at"] is None:
         line += " (the signal's time is not in the trail)"
     if found["job_end"] is not None and found["warning"] is not None:
-        read = "read after the signal" if found["job_end_read"] == "signal" else "as at the start"
-        line += f"; job end +{found['warning']:.1f} s ({read})"
+        line += f"; deadline +{found['warning']:.1f} s ({_deadline_text(found)})"
         if found["margin"] is not None:
             line += f", margin {found['margin']:.1f} s at exit"
     return line
+
+
+#: How each ``job_end.applied`` reads in the audit's preemption line.
+_APPLIED: Final = {
+    "grace_time": "the grace time's end",
+    "kill_wait": "SLURM's kill had begun: the signal",
+    "time_limit": "the time limit",
+}
+
+
+def _deadline_text(found: dict[str, Any]) -> str:
+    if found["job_end_read"] != "signal":
+        return "the job's end as at the start"
+    applied = found["applied"]
+    if applied is None:
+        return "the job's end read after the signal"
+    wait = found["kill_wait"]
+    return str(_APPLIED.get(applied, applied)) + (
+        f" + KillWait {wait:g} s" if wait is not None else ", KillWait not known"
+    )
 
 
 def notes(attempts: list[AttemptReport]) -> list[Note]:
@@ -154,13 +204,27 @@ def notes(attempts: list[AttemptReport]) -> list[Note]:
 
 
 def _what(timing: dict[str, Any]) -> str:
-    return "deadline preemption" if timing["cause"] == "deadline" else f"{timing['signal']} preemption"
+    if timing["cause"] == "deadline":
+        return "deadline preemption"
+    if timing["cause"] == "preemption":
+        return "preemption by SLURM"
+    return f"{timing['signal']} preemption"
 
 
 def _advice(timing: dict[str, Any]) -> str:
     took = timing["exit"] if timing["exit"] is not None else timing["durable"]
     if timing["cause"] == "deadline":
         return "Give the trainer a larger job_end_margin (seconds) so that it leaves earlier."
+    if timing["cause"] == "preemption" or timing["applied"] == "grace_time":
+        return (
+            f"Ask the cluster's admin for a longer GraceTime, or for the job's --signal at preemption "
+            f"({PREEMPTION_GUIDE})."
+        )
+    if timing["applied"] == "kill_wait":
+        return (
+            "The signal was SLURM's kill, with only KillWait to save: ask for --signal=B:USR1@N before the time "
+            f"limit, and for the signal at preemption ({PREEMPTION_GUIDE})."
+        )
     if took is None:
         return f"Ask SLURM for more lead time ({GUIDE})."
     lead = math.ceil(took / (1 - THIN_MARGIN))

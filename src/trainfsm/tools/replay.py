@@ -20,6 +20,9 @@ _TABLE: Final = frozenset(fsm.transition_rows())
 
 #: Triggers that leave ACCUMULATE with the optimizer step applied (or skipped by the scaler).
 _STEP_DONE: Final = frozenset({"stepped", "save", "finish"})
+#: Events that may follow ``exit``: a signal that came while the process waited to end (its
+#: ``exit_wait``, SLURM's kill after a requeue) is recorded, not lost.
+AFTER_EXIT: Final = frozenset({"signal_received"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +124,7 @@ class Replay:
 
     def feed(self, record: Record) -> None:
         result = self.result
-        if result.exit is not None:
+        if result.exit is not None and record.name not in AFTER_EXIT:
             self.problem("malformed", record, f"{record.name} after the exit event of attempt {record.attempt}")
         if result.events:
             result.previous_at = result.ended_at  # a killed attempt: how long since the record before
@@ -388,7 +391,11 @@ class Replay:
         self.result.timing["deadline"] = {"step": record.step, **figures}
 
     def _job_end(self, record: Record) -> None:
-        self.result.timing["job_end"] = {key: record.data.get(key) for key in ("end_time", "read_at", "after")}
+        data = record.data  # only the fields there: a trail written before ``kill_at`` has none of its own
+        self.result.timing["job_end"] = {key: data[key] for key in EVENT_FIELDS["job_end"] if key in data}
+
+    def _preempted(self, record: Record) -> None:
+        self.result.timing["preempted"] = {key: record.data.get(key) for key in EVENT_FIELDS["preempted"]}
 
     def _exception(self, record: Record) -> None:
         data = record.data
@@ -404,7 +411,12 @@ class Replay:
 
     def _requeue(self, record: Record) -> None:
         data = record.data
-        self.result.requeue = {"ok": data.get("ok"), "command": data.get("command"), "message": data.get("message")}
+        self.result.requeue = {
+            "ok": data.get("ok"),
+            "command": data.get("command"),
+            "message": data.get("message"),
+            "requeued_by": data.get("requeued_by", "trainer" if data.get("ok") else None),
+        }
         self.result.requeue_line = record.line
 
     def _stall(self, record: Record) -> None:
@@ -473,6 +485,7 @@ _HANDLERS: Final = {
     "signal_agreed": Replay._signal_agreed,
     "deadline": Replay._deadline,
     "job_end": Replay._job_end,
+    "preempted": Replay._preempted,
     "exception": Replay._exception,
     "requeue": Replay._requeue,
     "exit": Replay._exit,

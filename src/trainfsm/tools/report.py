@@ -29,15 +29,22 @@ added)::
           "failed":  [{"type": str, "message": str}]},
         "signals": {
           "received": [{"rank": int, "signal": str, "at_step": int|null, "at_state": str|null, "ts": float}],
-          "agreed": {"signal": str, "step": int, "reason": "signal" | "deadline"} | null},
+          "agreed": {"signal": str, "step": int, "reason": "signal" | "deadline" | "preemption"} | null},
         "preemption": {                       # null: not preempted (trainfsm.tools.preemption_timing)
-          "cause": "signal" | "deadline",     # a signal, or the trainer's own deadline (the job's end)
-          "signal": str | null, "at": float | null,   # epoch seconds of the signal (deadline: its decision)
+          "cause": "signal" | "deadline" | "preemption",   # a signal, the trainer's own deadline (the
+                                              # job's end), or SLURM's PreemptTime seen by rank 0
+          "signal": str | null, "at": float | null,   # epoch seconds of the signal (deadline: its
+                                              # decision; preemption: PreemptTime)
           "at_step": int | null, "agreed_step": int | null,
+          "preempted": {"preempt_time", "grace_end", "grace_time", "mode", "read_at",
+                        "noticed_at"} | null,   # the preempted event's fields
+          "noticed": float | null,            # preemption: seconds after "at" the trainer took it
           "step_finished": float | null, "agreed": float | null,   # seconds after "at"
           "durable": float | null, "exit": float | null,
-          "job_end": float | null,            # SLURM's end of the job, epoch seconds
+          "job_end": float | null,            # the deadline, epoch seconds: job_end.kill_at (SIGKILL)
           "job_end_read": "signal" | "start" | null,   # read after the signal, or at run_start
+          "applied": "grace_time" | "kill_wait" | "time_limit" | null,   # which deadline applied
+          "kill_wait": float | null,          # the cluster's KillWait, seconds
           "warning": float | null,            # job_end - at
           "margin": float | null,             # job_end - the exit event
           "save_after_end": bool,
@@ -50,7 +57,8 @@ added)::
                     "doing": str|null, "collective": str|null, "hook": str|null,
                     "at": str|null,                            # the innermost frame, file:line function
                     "cleared": float|null}],                   # seconds until it moved again; null: never
-        "requeue": {"ok": bool, "command": str|null, "message": str} | null,
+        "requeue": {"ok": bool, "command": str|null, "message": str,
+                    "requeued_by": "trainer" | "slurm" | null} | null,
         "exit": {"reason": str, "code": int} | null,   # null: no exit event on the first rank
         "ended": str,                         # how each rank ended: "rank 0 killed (...), rank 1 failed (...)"
         "torchelastic": {"restart_count": int, "max_restarts": int|null, "run_id": str|null,
@@ -354,7 +362,7 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
             f"{stall['seconds']:.1f} s at {reports}, {cleared}{doing}"
         )
     if first.requeue is not None:
-        lines.append(f"  requeue: {'done' if first.requeue['ok'] else 'FAILED'}: {first.requeue['message']}")
+        lines.append(f"  requeue: {requeue_text(first.requeue)}: {first.requeue['message']}")
     if len(attempt.ranks) > 1 and len({(r.exit or {}).get("reason") for r in attempt.ranks}) > 1:
         lines.append(f"  ended: {attempt.ended()}")  # the ranks ended differently
     elif first.exit is not None:
@@ -396,6 +404,8 @@ def _render_signals(signals: dict[str, Any]) -> str:
     agreed = signals["agreed"]
     if agreed is not None and agreed.get("reason") == "deadline":  # no signal came: the trainer's own
         text += f"; the job's end near: agreed at step {agreed['step']} to leave as if by {agreed['signal']}"
+    elif agreed is not None and agreed.get("reason") == "preemption":  # rank 0 saw SLURM's PreemptTime
+        text += f"; SLURM preempted the job: agreed at step {agreed['step']} to leave as if by {agreed['signal']}"
     elif agreed is not None:
         text += f"; agreed {agreed['signal']} at step {agreed['step']}"
     return text
@@ -461,3 +471,10 @@ def first_line(text: Any) -> str:
 def since_text(seconds: float | None) -> str:
     """``, 1.25 s after the record before it`` (of a killed rank's last record); "" when unknown."""
     return "" if seconds is None else f", {seconds:.2f} s after the record before it"
+
+
+def requeue_text(requeue: dict[str, Any]) -> str:
+    """``done``, ``done by SLURM`` (it had requeued the job itself) or ``FAILED``."""
+    if not requeue["ok"]:
+        return "FAILED"
+    return "done by SLURM" if requeue.get("requeued_by") == "slurm" else "done"

@@ -29,9 +29,10 @@ from typing import Any, Final
 
 from trainfsm import machine as fsm
 from trainfsm.machine import ExitReason
+from trainfsm.tools import preemption_timing
 from trainfsm.tools.audit import audit_trail
 from trainfsm.tools.replay import RankAttempt
-from trainfsm.tools.report import AttemptReport, AuditReport, group_restart, since_text, verdict
+from trainfsm.tools.report import AttemptReport, AuditReport, group_restart, requeue_text, since_text, verdict
 from trainfsm.trail.reader import Record, open_trail
 
 DEFAULT_EVENTS: Final = 10
@@ -133,6 +134,11 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
     else:
         outcome = f"{first.exit['reason']} (exit code {first.exit['code']})"
     lines = [f"attempt {attempt.attempt}: {outcome}"]
+    timing = preemption_timing.entry(attempt.ranks)
+    if timing is not None:
+        lines.append(preemption_timing.text(timing))
+    if first.requeue is not None:
+        lines.append(f"  requeue: {requeue_text(first.requeue)}: {first.requeue['message']}")
     story = _stall_story(attempt)
     lines.extend(story)
     for rank in attempt.ranks:
@@ -157,7 +163,7 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
             data = exc.data
             lines.append(f"    exception ({exc.where()}): {data.get('type')}: {data.get('message')}")
             lines.extend(f"      {text}" for text in str(data.get("traceback") or "").rstrip().splitlines())
-    lines.append("  " + _next_attempt(report.audit, attempt.attempt))
+    lines.append("  " + _next_attempt(report.audit, attempt.attempt, first.requeue))
     return lines
 
 
@@ -257,9 +263,12 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _next_attempt(report: AuditReport, number: int) -> str:
+def _next_attempt(report: AuditReport, number: int, requeue: dict[str, Any] | None = None) -> str:
     later = [a for a in report.attempts if a.attempt > number]
     if not later:
+        if requeue is not None and requeue["ok"]:
+            by = " by SLURM" if requeue.get("requeued_by") == "slurm" else ""
+            return f"next: no later attempt in the trail yet; the job was requeued{by} and resumes when SLURM starts it"
         return "next: no later attempt in the trail"
     following = later[0]
     first = following.first

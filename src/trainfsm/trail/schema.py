@@ -77,12 +77,23 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
         "exit_seconds",
         "margin",
     ),
-    "job_end": ("end_time", "read_at", "after"),
+    "job_end": (
+        "end_time",
+        "read_at",
+        "after",
+        "applied",
+        "kill_start",
+        "kill_wait",
+        "kill_at",
+        "job_state",
+        "restarts",
+    ),
+    "preempted": ("preempt_time", "grace_end", "grace_time", "mode", "read_at", "noticed_at"),
     "signal_passed_on": ("signal", "received_at", "at_state", "disposition"),
     "signals_not_installed": ("reason",),
     "launcher_stop": ("pid", "signal", "at"),
     "restart_stop": ("signal",),
-    "requeue": ("command", "ok", "message"),
+    "requeue": ("command", "ok", "message", "requeued_by"),
     "wandb_run": ("wandb_id", "continued", "mode"),
     "early_stop": ("monitor", "best", "best_step", "bad_evaluations", "patience"),
     "cuda_memory_unavailable": ("device",),
@@ -120,7 +131,9 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "`format` (2; 1 for trails before `steps` records), `trail` (`form`, `flush_seconds`, `segment_bytes`), "
         "`versions`, `world_size`, `max_steps`, `config`, `slurm` (job id, array task, restart count, node, "
         "rank, `end_time`: the job's end in epoch seconds as SLURM had it, read by rank 0, null on other ranks "
-        "or without a time limit; or null), `signals` (`ignored`, `blocked`, `pending`: of SIGHUP, SIGINT, "
+        "or without a time limit, `partition`, its `preempt_mode` and `grace_time` (seconds), and "
+        "`preempt_time` when SLURM had chosen the job for preemption already, all read by rank 0; or null), "
+        "`signals` (`ignored`, `blocked`, `pending`: of SIGHUP, SIGINT, "
         "SIGTERM, SIGUSR1, SIGUSR2 and the trainer's own exit signals, when `train()` began), `torchelastic` "
         "(torchrun's `restart_count` as this node's agent counts it, `max_restarts`, `run_id`, and `group`: the "
         "number of the group `init_distributed` joined, the same on every node, 1 for the first; or null)",
@@ -230,11 +243,13 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     ),
     "signal_received": (
         "`signal`, `received_at`, `at_step`, `at_state`",
-        "an exit signal arrived (logged at the next safe point, not in the handler)",
+        "an exit signal arrived (logged at the next safe point, not in the handler; one that came during "
+        "EXIT's last lines or `exit_wait` follows the `exit` event, the one event that may)",
     ),
     "signal_agreed": (
-        "`signal`, `agreed_step`, `reason` (`signal`, or `deadline`: the job's end, not a signal, and `signal` "
-        "is the exit policy's first, whose exit code the run takes), `step_ended_at` (epoch seconds: when "
+        "`signal`, `agreed_step`, `reason` (`signal`; `deadline`: the job's end, not a signal, and `signal` "
+        "is the exit policy's first, whose exit code the run takes; `preemption`: SLURM chose the job for "
+        "preemption, seen by rank 0 in the job's `PreemptTime`), `step_ended_at` (epoch seconds: when "
         "this rank's step ended, before the ranks agreed; null on a rank that had nothing pending itself)",
         "all ranks agreed a signal is pending: checkpoint at this step, then EXIT",
     ),
@@ -250,10 +265,22 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "just before `signal_agreed` (reason `deadline`)",
     ),
     "job_end": (
-        "`end_time` (epoch seconds, or null when SLURM did not say), `read_at`, `after` (`signal` or `deadline`)",
-        "a preempted run under SLURM: the job's end as SLURM has it after the signal, read by rank 0 (a "
-        "preemption's grace time moves it), written in EXIT before the requeue; `trainfsm audit` reports the "
-        "margin left at exit against it",
+        "`end_time` (SLURM's `EndTime`, epoch seconds, or null when SLURM did not say), `read_at`, `after` "
+        "(`signal`, `deadline` or `preemption`), the deadline that applied: `applied` (`grace_time`: preempted, "
+        "in its grace time; `kill_wait`: SLURM's kill had begun at the signal, a requeue, cancel or time limit; "
+        "`time_limit`: a signal ahead of the time limit), `kill_start` (when SLURM's SIGTERM comes or came), "
+        "`kill_wait` (the cluster's `KillWait`), `kill_at` (`kill_start` + `kill_wait`: when SIGKILL may "
+        "come), and `job_state`, `restarts` as read",
+        "a preempted run under SLURM: the job as SLURM has it after the signal, read by rank 0, written in EXIT "
+        "before the requeue; `trainfsm audit` reports the margin left at exit against `kill_at`",
+    ),
+    "preempted": (
+        "`preempt_time` (when SLURM chose the job for preemption), `grace_end` (its `EndTime` then: "
+        "`preempt_time` + the grace time), `grace_time`, `mode` (the partition's `PreemptMode`), `read_at` "
+        "(when rank 0 read it), `noticed_at` (when the trainer took it)",
+        "rank 0 saw a `PreemptTime` in the job (SLURM signals an `exec python` batch job only when the grace "
+        "time is over): the run leaves as on the exit policy's first signal; written before `signal_agreed` "
+        "(reason `preemption`), or in EXIT when a signal had already taken the run out",
     ),
     "signals_not_installed": (
         "`reason`",
@@ -278,8 +305,10 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "restarted group resumes from the last complete one); follows `collective_failed`",
     ),
     "requeue": (
-        "`command`, `ok`, `message`",
-        "rank 0 ran `scontrol requeue` (or why it did not) after the checkpoint was durable",
+        "`command`, `ok`, `message`, `requeued_by` (`trainer`: its `scontrol requeue` did; `slurm`: SLURM had "
+        "requeued the job itself, a preemption under `PreemptMode=REQUEUE`, which the job's `Restarts` shows; "
+        "null: not requeued)",
+        "rank 0 ran `scontrol requeue` (or why it did not, or found SLURM had) after the checkpoint was durable",
     ),
     "wandb_run": (
         "`wandb_id`, `continued`, `mode`",
