@@ -89,16 +89,18 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(
     assert not [e for e in second if e["event"] == "signal_agreed"]  # requeue's SIGTERM was not a new preemption
     assert job["Restarts"] == "1"
 
-    # The preemption is timed against the job's end (issue 34): SLURM's end, read at the start and
-    # again after the signal, and the audit's seconds from the signal to each stage and the margin.
+    # The preemption is timed against the deadline that applied (issues 34, 47): SLURM's end, read at
+    # the start and again after the signal, and the audit's seconds from the signal to each stage and the margin.
     [job_end] = [e for e in first if e["event"] == "job_end"]
     assert job_end["after"] == "signal" and job_end["end_time"] == first[0]["slurm"]["end_time"]
     timing = audit.audit([workspace]).attempts[0].as_dict()["preemption"]
     assert (timing["cause"], timing["signal"]) == ("signal", f"SIG{signal_name}")
-    assert timing["job_end"] == job_end["end_time"]
+    # A signal ahead of the time limit: SLURM's kill starts at the limit, its SIGKILL KillWait (10 s) later.
+    assert (job_end["applied"], job_end["kill_start"], job_end["kill_wait"]) == ("time_limit", job_end["end_time"], 10)
+    assert timing["job_end"] == job_end["kill_at"] == job_end["end_time"] + 10
     assert 0 <= timing["step_finished"] <= timing["agreed"] <= timing["durable"] <= timing["exit"] < 5
-    assert timing["margin"] == pytest.approx(job_end["end_time"] - exit_event["ts"], abs=1e-3)
-    assert 3000 < timing["margin"] < 3600  # a one-hour limit, signalled seconds in
+    assert timing["margin"] == pytest.approx(job_end["kill_at"] - exit_event["ts"], abs=1e-3)
+    assert 3000 < timing["margin"] < 3600 + 10  # a one-hour limit and KillWait, signalled seconds in
 
     final = torch.load(workspace / "final.pt")
     expected = uninterrupted(tmp_path)
