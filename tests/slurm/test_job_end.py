@@ -160,8 +160,8 @@ def test_a_job_preempted_twice_has_both_preemptions_timed_with_the_margin_before
     assert len(lines) == 2, text.stdout
     pattern = (
         r"preemption: SIGUSR1 at step \d+; step finished \+\d+\.\d\d s, ranks agreed \+\d+\.\d\d s, "
-        r"checkpoint durable \+\d+\.\d\d s, exit \+\d+\.\d\d s; deadline \+\d+\.\d s \(the time limit \+ KillWait 10 s\), "
-        r"margin \d+\.\d s at exit"
+        r"checkpoint durable \+\d+\.\d\d s, exit \+\d+\.\d\d s; "
+        r"deadline \+\d+\.\d s \(the time limit \+ KillWait 10 s\), margin \d+\.\d s at exit"
     )
     assert all(re.fullmatch(pattern, line) for line in lines), lines
 
