@@ -171,15 +171,17 @@ def test_a_job_preempted_twice_has_both_preemptions_timed_with_the_margin_before
     assert timings[2] is None  # the last attempt completed
     for attempt, (timing, end) in enumerate(zip(timings[:2], ends, strict=True)):
         exit_at = next(e["ts"] for e in trail if e["attempt"] == attempt and e["event"] == "exit")
-        assert (timing["cause"], timing["signal"], timing["job_end"], timing["job_end_read"]) == (
+        # The deadline that applied: the time limit, and SIGKILL KillWait (10 s) after it.
+        assert (timing["cause"], timing["signal"], timing["job_end"], timing["job_end_read"], timing["applied"]) == (
             "signal",
             "SIGUSR1",
-            end,
+            end + 10,
             "signal",
+            "time_limit",
         )
         assert 0 <= timing["step_finished"] <= timing["agreed"] <= timing["durable"] <= timing["exit"] < 5
-        assert timing["margin"] == pytest.approx(end - exit_at, abs=1e-3)
-        assert 200 < timing["margin"] < timing["warning"] <= 300  # a 5-minute limit, signalled seconds in
+        assert timing["margin"] == pytest.approx(end + 10 - exit_at, abs=1e-3)
+        assert 200 < timing["margin"] < timing["warning"] <= 310  # a 5-minute limit, signalled seconds in
     assert not [n for n in report["notes"] if "job's end" in n["message"]]  # margins are wide: no advice
     assert same_parameters(workspace, straight, tmp_path)
 

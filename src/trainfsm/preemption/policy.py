@@ -205,7 +205,8 @@ class Preemption:
         preemptible = slurm.reread_seconds(job) < slurm.REREAD_SECONDS or job.preempt_time is not None
         if not preemptible and not (for_deadline and job.end_time is not None):
             return None
-        self._job_end = slurm.JobEnd(job, on_preempted=self.slurm_preempted).start()
+        take = self.slurm_preempted if slurm.leaves_when_preempted(job) else None  # SUSPEND: nothing to save
+        self._job_end = slurm.JobEnd(job, on_preempted=take).start()
         return self._job_end
 
     def slurm_preempted(self, view: slurm.JobView) -> bool:
@@ -337,7 +338,7 @@ class Preemption:
         self.log.warning(
             "preempted",
             preempt_time=view.preempt_time,
-            grace_end=view.end_time,
+            grace_end=slurm.grace_end(view, job) if job else view.end_time,
             grace_time=job.grace_time if job else None,
             mode=job.preempt_mode if job else None,
             read_at=round(view.read_at, 3),

@@ -306,6 +306,25 @@ def kill_wait(timeout: float = 5.0) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def grace_end(view: JobView, job: SlurmJob) -> float | None:
+    """When a preempted job's grace time ends: its ``EndTime``, which SLURM moved there; for a job
+    without a time limit, which has none, ``PreemptTime`` + the partition's ``GraceTime``."""
+    if view.end_time is not None:
+        return view.end_time
+    if view.preempt_time is not None and job.grace_time is not None:
+        return view.preempt_time + job.grace_time
+    return None
+
+
+def leaves_when_preempted(job: SlurmJob) -> bool:
+    """Whether a preemption ends the job (``REQUEUE``, ``CANCEL``), so that the trainer must save:
+    not in a ``SUSPEND`` (or ``GANG``) partition, whose preempted jobs are stopped and go on later.
+    True when the mode is not known."""
+    if job.preempt_mode is None:
+        return True
+    return bool(set(job.preempt_mode.split(",")) & LEAVING_MODES)
+
+
 def requeued_by_slurm(view: JobView | None, job: SlurmJob) -> bool:
     """SLURM has requeued the job since this attempt began (``Restarts`` grew): a preemption under
     ``PreemptMode=REQUEUE``, or someone's ``scontrol requeue``. Nothing is left for the trainer to
@@ -342,12 +361,13 @@ def deadline_after(
     the signal SLURM kills with (not on another signal, its deadline, or a preemption it saw)."""
     if view is None:
         return None
+    ends = grace_end(view, job)  # a preempted job's; without a time limit SLURM shows no end
     if view.state != "RUNNING" or requeued_by_slurm(view, job):
         applied, start = "kill_wait", signal_at
+    elif view.preempt_time is not None and ends is not None:
+        applied, start = "grace_time", ends
     elif view.end_time is None:
         return None
-    elif view.preempt_time is not None:
-        applied, start = "grace_time", view.end_time
     elif sigterm and view.end_time <= signal_at + _AT_LIMIT:
         applied, start = "kill_wait", signal_at
     else:

@@ -222,8 +222,8 @@ def _advice(timing: dict[str, Any]) -> str:
         )
     if timing["applied"] == "kill_wait":
         return (
-            "The signal was SLURM's kill, with only KillWait to save: ask for --signal=B:USR1@N before the time "
-            f"limit, and for the signal at preemption ({PREEMPTION_GUIDE})."
+            "The signal was SLURM's kill, with only KillWait to save: ask for a --signal some time before the "
+            f"time limit ({GUIDE}), and for the signal at preemption ({PREEMPTION_GUIDE})."
         )
     if took is None:
         return f"Ask SLURM for more lead time ({GUIDE})."
