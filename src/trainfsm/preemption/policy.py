@@ -337,7 +337,7 @@ class Preemption:
         self.log.warning(
             "preempted",
             preempt_time=view.preempt_time,
-            grace_end=view.end_time,
+            grace_end=slurm.grace_end(view, job) if job else view.end_time,
             grace_time=job.grace_time if job else None,
             mode=job.preempt_mode if job else None,
             read_at=round(view.read_at, 3),

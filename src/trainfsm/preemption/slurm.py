@@ -14,7 +14,8 @@ rank 0 reads it when ``train()`` begins and, while the job's end is watched
 
 A preemption by a higher-priority job shows there too. SLURM (``PreemptType=preempt/partition_prio``
 or ``preempt/qos``) sets the job's ``PreemptTime`` and moves its ``EndTime`` to the preemption plus
-the partition's ``GraceTime`` at once, but signals only the job's steps then: an ``exec python``
+the partition's ``GraceTime`` at once (a job without a time limit keeps ``EndTime=Unknown``:
+``grace_end``), but signals only the job's steps then: an ``exec python``
 batch job hears nothing until the grace time is over (SIGTERM, then SIGKILL after ``KillWait``),
 unless the admin set ``preempt_send_user_signal`` (``PreemptParameters=send_user_signal`` from
 23.02), which sends the job's ``--signal`` at once. So for a job in a partition that preempts with
@@ -330,6 +331,18 @@ class KillDeadline:
     kill_at: float  # kill_start + kill_wait; kill_start itself when KillWait is not known
 
 
+def grace_end(view: JobView, job: SlurmJob) -> float | None:
+    """When the grace time of a job SLURM chose for preemption ends (None: not chosen, or not
+    known): its ``EndTime``, which SLURM moves there; for a job without a time limit, whose
+    ``EndTime`` stays ``Unknown`` (measured on SLURM 22.05), ``PreemptTime`` + the partition's
+    ``GraceTime`` as read when ``train()`` began."""
+    if view.preempt_time is None:
+        return None
+    if view.end_time is not None:
+        return view.end_time
+    return view.preempt_time + job.grace_time if job.grace_time is not None else None
+
+
 #: A time limit this close after the signal (seconds) means the signal was the limit's SIGTERM.
 _AT_LIMIT: Final = 1.0
 
@@ -342,12 +355,13 @@ def deadline_after(
     the signal SLURM kills with (not on another signal, its deadline, or a preemption it saw)."""
     if view is None:
         return None
+    grace = grace_end(view, job)
     if view.state != "RUNNING" or requeued_by_slurm(view, job):
         applied, start = "kill_wait", signal_at
+    elif grace is not None:
+        applied, start = "grace_time", grace
     elif view.end_time is None:
         return None
-    elif view.preempt_time is not None:
-        applied, start = "grace_time", view.end_time
     elif sigterm and view.end_time <= signal_at + _AT_LIMIT:
         applied, start = "kill_wait", signal_at
     else:
