@@ -195,7 +195,7 @@ def signals(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(e["signal"], e["at_state"]) for e in events if e["event"] == "signal_received"]
 
 
-def assert_resumed_exactly(trial: Trial, job_id: str, job: dict[str, str]) -> tuple[list[dict[str, Any]], int]:
+def assert_resumed_exactly(trial: Trial, job: dict[str, str]) -> tuple[list[dict[str, Any]], int]:
     """What every trial ends with: one requeue, the agreed step saved in the first attempt and loaded
     by the second, which completes; no event anywhere says something failed (ok=false); the audit
     exits 0 with a consistent trail of a run that ended well; the parameters are an uninterrupted
@@ -282,7 +282,7 @@ def test_with_the_user_signal_a_preempted_job_saves_at_once_and_requeues_itself(
     trial.training()
     trial.preempt()
     job = trial.completed(job_id)
-    first, _ = assert_resumed_exactly(trial, job_id, job)
+    first, _ = assert_resumed_exactly(trial, job)
 
     usr1 = next(e for e in first if e["event"] == "signal_received")
     assert usr1["received_at"] - trial.preempted_at < SCHEDULED_WITHIN
@@ -310,7 +310,7 @@ def test_without_the_user_signal_a_preempted_job_notices_the_preemption_and_requ
     trial.training()
     trial.preempt()
     job = trial.completed(job_id)
-    first, _ = assert_resumed_exactly(trial, job_id, job)
+    first, _ = assert_resumed_exactly(trial, job)
     preempted = assert_noticed(first, "REQUEUE")
     timing = assert_timed(first, "grace_time", preempted["grace_end"], trial.workspace)
     assert timing["cause"] == "preemption" and timing["exit"] < GRACE_TIME
@@ -331,7 +331,7 @@ def test_a_job_preemption_cancels_is_requeued_by_the_trainer_and_completes(
     slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=UNLIMITED")
     trial.preempt()
     job = trial.completed(job_id)
-    first, _ = assert_resumed_exactly(trial, job_id, job)
+    first, _ = assert_resumed_exactly(trial, job)
     preempted = assert_noticed(first, "CANCEL", limited=False)
     timing = assert_timed(first, "grace_time", preempted["grace_end"], trial.workspace)
     assert timing["cause"] == "preemption" and timing["exit"] < GRACE_TIME
@@ -356,7 +356,7 @@ def test_with_no_grace_time_slurm_requeues_the_job_itself_and_no_requeue_failed(
     assert report["run_problems"] == [] and report["ended_well"], report["run_problems"]
 
     job = trial.completed(job_id)
-    first, _ = assert_resumed_exactly(trial, job_id, job)
+    first, _ = assert_resumed_exactly(trial, job)
     sigterm = next(e for e in first if e["event"] == "signal_received")
     assert sigterm["received_at"] - trial.preempted_at < SCHEDULED_WITHIN  # at once
     assert signals(first) == [("SIGTERM", sigterm["at_state"])] and sigterm["at_state"] != "EXIT"
@@ -396,7 +396,7 @@ def test_with_30_s_steps_and_no_user_signal_the_agreed_step_is_saved_within_the_
     time.sleep(max(0.0, began + 2 - time.time()))
     trial.preempt()
     job = trial.completed(job_id, timeout=240)
-    first, agreed = assert_resumed_exactly(trial, job_id, job)
+    first, agreed = assert_resumed_exactly(trial, job)
     assert agreed == 3
     assert [e["saved_step"] for e in first if e["event"] == "checkpoint_saved"] == [2, 3]
     preempted = assert_noticed(first, "REQUEUE")
