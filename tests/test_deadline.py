@@ -167,6 +167,27 @@ def test_the_end_time_is_read_from_scontrols_output() -> None:
     assert parse_end_time("") is None
 
 
+@pytest.mark.parametrize(
+    ("limit", "end"),
+    [("00:10:00", "1795664830"), ("UNLIMITED", "Unknown")],
+    ids=["a time limit: EndTime moved to the grace end", "no time limit: EndTime stays Unknown"],
+)
+def test_a_preempted_jobs_deadline_is_the_grace_times_end_with_or_without_a_time_limit(limit: str, end: str) -> None:
+    """SLURM 22.05 moves a preempted job's EndTime to PreemptTime + GraceTime, but a job without a
+    time limit keeps ``EndTime=Unknown`` (measured on the project's cluster): its grace time ends
+    ``GraceTime`` after ``PreemptTime`` all the same, and that plus ``KillWait`` is the deadline
+    that applied (before, no deadline: the audit's preemption line had no margin)."""
+    job = slurm.SlurmJob("7", None, None, 0, None, None, partition="low", preempt_mode="REQUEUE", grace_time=30.0)
+    shown = f"JobId=7 JobState=RUNNING Restarts=0 TimeLimit={limit} EndTime={end} PreemptTime=1795664800 Partition=low"
+    view = slurm.parse_job(shown, read_at=1795664808.0)
+    assert slurm.grace_end(view, job) == 1795664830.0
+    assert slurm.deadline_after(view, job, 1795664808.0, 10.0) == slurm.KillDeadline(
+        "grace_time", 1795664830.0, 10.0, 1795664840.0
+    )
+    not_preempted = slurm.parse_job(shown.replace("PreemptTime=1795664800", "PreemptTime=None"), 1795664808.0)
+    assert slurm.grace_end(not_preempted, job) is None
+
+
 def test_the_jobs_end_is_read_again_on_a_thread_and_a_failed_read_keeps_the_last_one(
     fake_slurm: FakeSlurm,
 ) -> None:

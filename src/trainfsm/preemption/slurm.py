@@ -14,7 +14,8 @@ rank 0 reads it when ``train()`` begins and, while the job's end is watched
 
 A preemption by a higher-priority job shows there too. SLURM (``PreemptType=preempt/partition_prio``
 or ``preempt/qos``) sets the job's ``PreemptTime`` and moves its ``EndTime`` to the preemption plus
-the partition's ``GraceTime`` at once, but signals only the job's steps then: an ``exec python``
+the partition's ``GraceTime`` at once (a job without a time limit keeps ``EndTime=Unknown``:
+``grace_end``), but signals only the job's steps then: an ``exec python``
 batch job hears nothing until the grace time is over (SIGTERM, then SIGKILL after ``KillWait``),
 unless the admin set ``preempt_send_user_signal`` (``PreemptParameters=send_user_signal`` from
 23.02), which sends the job's ``--signal`` at once. So for a job in a partition that preempts with
@@ -306,16 +307,6 @@ def kill_wait(timeout: float = 5.0) -> float | None:
     return float(found.group(1)) if found else None
 
 
-def grace_end(view: JobView, job: SlurmJob) -> float | None:
-    """When a preempted job's grace time ends: its ``EndTime``, which SLURM moved there; for a job
-    without a time limit, which has none, ``PreemptTime`` + the partition's ``GraceTime``."""
-    if view.end_time is not None:
-        return view.end_time
-    if view.preempt_time is not None and job.grace_time is not None:
-        return view.preempt_time + job.grace_time
-    return None
-
-
 def leaves_when_preempted(job: SlurmJob) -> bool:
     """Whether a preemption ends the job (``REQUEUE``, ``CANCEL``), so that the trainer must save:
     not in a ``SUSPEND`` (or ``GANG``) partition, whose preempted jobs are stopped and go on later.
@@ -349,6 +340,18 @@ class KillDeadline:
     kill_at: float  # kill_start + kill_wait; kill_start itself when KillWait is not known
 
 
+def grace_end(view: JobView, job: SlurmJob) -> float | None:
+    """When the grace time of a job SLURM chose for preemption ends (None: not chosen, or not
+    known): its ``EndTime``, which SLURM moves there; for a job without a time limit, whose
+    ``EndTime`` stays ``Unknown`` (measured on SLURM 22.05), ``PreemptTime`` + the partition's
+    ``GraceTime`` as read when ``train()`` began."""
+    if view.preempt_time is None:
+        return None
+    if view.end_time is not None:
+        return view.end_time
+    return view.preempt_time + job.grace_time if job.grace_time is not None else None
+
+
 #: A time limit this close after the signal (seconds) means the signal was the limit's SIGTERM.
 _AT_LIMIT: Final = 1.0
 
@@ -361,11 +364,11 @@ def deadline_after(
     the signal SLURM kills with (not on another signal, its deadline, or a preemption it saw)."""
     if view is None:
         return None
-    ends = grace_end(view, job)  # a preempted job's; without a time limit SLURM shows no end
+    grace = grace_end(view, job)
     if view.state != "RUNNING" or requeued_by_slurm(view, job):
         applied, start = "kill_wait", signal_at
-    elif view.preempt_time is not None and ends is not None:
-        applied, start = "grace_time", ends
+    elif grace is not None:
+        applied, start = "grace_time", grace
     elif view.end_time is None:
         return None
     elif sigterm and view.end_time <= signal_at + _AT_LIMIT:
