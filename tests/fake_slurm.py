@@ -111,7 +111,7 @@ class FakeSlurm:
     def end_at(self, when: float) -> float:
         """The job ends at ``when`` (epoch seconds, rounded down to SLURM's whole seconds); returns the end."""
         end = math.floor(when)
-        (self.dir / "end").write_text(str(end))
+        _write(self.dir / "end", str(end))
         return float(end)
 
     def set_job(self, **fields: str | int | float | None) -> None:
@@ -122,19 +122,19 @@ class FakeSlurm:
             if value is None:
                 path.unlink(missing_ok=True)
             else:
-                path.write_text(str(math.floor(value)) if isinstance(value, float) else str(value))
+                _write(path, str(math.floor(value)) if isinstance(value, float) else str(value))
 
     def preempt(self, grace_time: int) -> float:
         """SLURM chooses the job for preemption now: ``PreemptTime`` now and the job's end moved to
         it plus ``grace_time``, as SLURM does at once; the job goes on RUNNING. Returns PreemptTime."""
         now = float(math.floor(time.time()))
+        self.end_at(now + grace_time)  # first: a read in between must not see a PreemptTime with the old end
         self.set_job(PreemptTime=now)
-        self.end_at(now + grace_time)
         return now
 
     def add_partition(self, name: str, preempt_mode: str, grace_time: int) -> None:
         """A partition ``show partition -o NAME`` knows (the job is in it once ``set_job(Partition=NAME)``)."""
-        (self.dir / "partition" / name).write_text(f"GraceTime={grace_time} PreemptMode={preempt_mode}")
+        _write(self.dir / "partition" / name, f"GraceTime={grace_time} PreemptMode={preempt_mode}")
 
     def set_kill_wait(self, seconds: int | None) -> None:
         """``show config`` says ``KillWait = SECONDS sec``; None: it says no KillWait at all."""
@@ -142,7 +142,7 @@ class FakeSlurm:
         if seconds is None:
             path.unlink(missing_ok=True)
         else:
-            path.write_text(str(seconds))
+            _write(path, str(seconds))
 
     def requeue_fails(self, message: str = PENDING_EXECUTION, **then: str | int) -> None:
         """From now on ``scontrol requeue`` fails with ``message`` (" for job ID" added, as SLURM does)
@@ -177,3 +177,11 @@ class FakeSlurm:
         """The job ids of the requeues that succeeded."""
         path = self.dir / "requeued"
         return path.read_text().splitlines() if path.exists() else []
+
+
+def _write(path: Path, text: str) -> None:
+    """``path`` holds ``text`` at once: the stand-in ``scontrol`` runs on other threads' reads
+    meanwhile and must never see the file empty half-way through a write."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
