@@ -471,6 +471,24 @@ def test_a_job_chosen_for_preemption_before_train_began_leaves_without_waiting_f
     assert len(reads) == 2  # the start's, and the one after the notice (job_end): none in between
 
 
+@pytest.mark.usefixtures("quick_exit")
+def test_a_grace_time_of_minutes_is_followed_with_the_deadline_off(
+    tmp_path: Path, low: FakeSlurm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GraceTime=600``: a third of it is more than the minute every followed job is read at, so
+    rank 0 reads the job every minute (here a second: ``REREAD_SECONDS`` for a test). It still has
+    to follow it with ``job_end_margin=None``, the deadline off: the grace time is there to use, as
+    with a shorter one. (It once followed only a job read more often than every minute.)"""
+    monkeypatch.setattr(slurm, "REREAD_SECONDS", 1.0)
+    low.add_partition("low", "REQUEUE", 600)
+    workspace = tmp_path / "run"
+    code = leaves(trainer(workspace, steps=400, at_step={3: lambda: low.preempt(600)}, job_end_margin=None))
+    events = read_events(workspace)
+    assert code == 128 + signal.SIGUSR1
+    [agreed] = named(events, "signal_agreed")
+    assert agreed["reason"] == "preemption" and named(events, "preempted")[0]["grace_time"] == 600.0
+
+
 @pytest.mark.usefixtures("quick_exit", "read_often")
 def test_a_run_preempted_by_another_job_resumes_exactly(
     tmp_path: Path, low: FakeSlurm, monkeypatch: pytest.MonkeyPatch
