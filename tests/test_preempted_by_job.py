@@ -471,6 +471,51 @@ def test_a_job_chosen_for_preemption_before_train_began_leaves_without_waiting_f
     assert len(reads) == 2  # the start's, and the one after the notice (job_end): none in between
 
 
+class SlowRestore(BaseHook):
+    """RESTORE takes a second (a large checkpoint loading): the notice comes while it runs."""
+
+    def on_enter_restore(self, trainer: BaseTrainer) -> None:
+        time.sleep(1.0)
+
+
+@pytest.mark.usefixtures("quick_exit")
+def test_a_preemption_taken_in_restore_is_reported_as_slurms_not_as_the_sigterm_after_the_requeue(
+    tmp_path: Path, low: FakeSlurm, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The job was chosen before ``train()`` began and RESTORE is slow: the run leaves at the end
+    of RESTORE (``preempt``), so no step agreed on anything. audit and trace still time it from
+    ``PreemptTime`` as SLURM's preemption, not from SLURM's SIGTERM after the trainer's requeue (the
+    one signal of the trail, which came last), and do not name that SIGTERM as the way out."""
+    low.add_partition("low", "REQUEUE", 30)
+    preempt_time = low.preempt(30)
+    workspace = tmp_path / "run"
+    run = trainer(workspace)
+    run.hook_list.append(SlowRestore())
+    assert leaves(run) == 128 + signal.SIGUSR1
+    events = read_events(workspace)
+    assert not named(events, "signal_agreed") and named(events, "checkpoint_saved") == []
+    assert [e["signal"] for e in named(events, "signal_received")] == ["SIGTERM"]  # after the requeue
+    [preempted] = named(events, "preempted")
+    _, report = audit_json(capsys, workspace)
+    timing = report["attempts"][0]["preemption"]
+    assert (timing["cause"], timing["at"], timing["signal"], timing["agreed_step"]) == (
+        "preemption",
+        preempt_time,
+        None,
+        None,
+    )
+    assert timing["noticed"] == round(preempted["noticed_at"] - preempt_time, 3) and timing["noticed"] > 0
+    code, out, _ = cli(capsys, "audit", workspace)
+    assert code == 0, out
+    [line] = [line.strip() for line in out.splitlines() if line.strip().startswith("preemption:")]
+    assert line.startswith(
+        "preemption: SLURM preempted the job (PreemptMode=REQUEUE, GraceTime 30 s), taken before training "
+        "(nothing to save); noticed +"
+    ), line
+    code, out, _ = cli(capsys, "trace", workspace)
+    assert code == 0 and f"  {line}\n" in out, out
+
+
 @pytest.mark.usefixtures("quick_exit")
 def test_a_grace_time_of_minutes_is_followed_with_the_deadline_off(
     tmp_path: Path, low: FakeSlurm, monkeypatch: pytest.MonkeyPatch
