@@ -202,7 +202,9 @@ class Preemption:
         job = self.job
         if job is None or self.rank != 0:
             return None
-        preemptible = slurm.reread_seconds(job) < slurm.REREAD_SECONDS or job.preempt_time is not None
+        # Not "read more often than every minute": a grace time of 3 minutes or more is read every
+        # minute, and is there to use all the same.
+        preemptible = slurm.preempts_with_grace(job) or job.preempt_time is not None
         if not preemptible and not (for_deadline and job.end_time is not None):
             return None
         take = self.slurm_preempted if slurm.leaves_when_preempted(job) else None  # SUSPEND: nothing to save

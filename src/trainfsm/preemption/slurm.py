@@ -277,12 +277,18 @@ def with_job_details(job: SlurmJob, timeout: float = 5.0) -> SlurmJob:
     )
 
 
+def preempts_with_grace(job: SlurmJob) -> bool:
+    """The job's partition, as read when ``train()`` began, may preempt it, end it and give it a
+    grace time first: a ``PreemptTime`` is worth following, whatever the grace time's length."""
+    if job.partition is None:
+        return False
+    return Partition(job.partition, job.preempt_mode, job.grace_time).preempts_with_grace
+
+
 def reread_seconds(job: SlurmJob) -> float:
     """How often rank 0 reads the job while it trains: ``REREAD_SECONDS``, or in a partition that
     preempts with a grace time a third of it, at least ``PREEMPTED_REREAD_FLOOR``."""
-    if job.partition is None or job.grace_time is None:
-        return REREAD_SECONDS
-    if not Partition(job.partition, job.preempt_mode, job.grace_time).preempts_with_grace:
+    if job.grace_time is None or not preempts_with_grace(job):
         return REREAD_SECONDS
     return min(REREAD_SECONDS, max(PREEMPTED_REREAD_FLOOR, job.grace_time / 3))
 

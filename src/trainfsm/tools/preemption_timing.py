@@ -53,7 +53,9 @@ def entry(ranks: list[RankAttempt]) -> dict[str, Any] | None:
         return None
     deadlines = [t["deadline"] for t in timing if "deadline" in t]
     preempted = next((t["preempted"] for t in timing if "preempted" in t), None)
-    if any(t.get("cause") == "preemption" for t in timing):
+    # No step agreed when the notice took the run out at the end of BUILD or RESTORE (``preempt``):
+    # the ``preempted`` event alone says so, and a signal in the trail then is SLURM's after the requeue.
+    if any(t.get("cause") == "preemption" for t in timing) or (not agreed and preempted is not None):
         cause = "preemption"
     elif deadlines or any(t.get("cause") == "deadline" for t in timing):
         cause = "deadline"
@@ -80,9 +82,13 @@ def entry(ranks: list[RankAttempt]) -> dict[str, Any] | None:
     def since(ts: float | None) -> float | None:
         return None if ts is None or start is None else round(ts - start, 3)
 
+    if first.agreed:
+        signal_name = first.agreed["signal"]
+    else:  # left before training: a preemption seen in PreemptTime came with no signal of its own
+        signal_name = received[0]["signal"] if received and cause != "preemption" else None
     return {
         "cause": cause,
-        "signal": first.agreed["signal"] if first.agreed else received[0]["signal"] if received else None,
+        "signal": signal_name,
         "at": start,
         "at_step": received[0]["at_step"] if received and cause == "signal" else agreed_step,
         "agreed_step": agreed_step,
@@ -128,8 +134,13 @@ def text(found: dict[str, Any]) -> str:
         what = (
             f"SLURM preempted the job (PreemptMode={preempted.get('mode')}"
             + (f", GraceTime {grace:g} s" if grace is not None else "")
-            + f"; exit as {found['signal']}), agreed at step {found['agreed_step']}"
+            + (f"; exit as {found['signal']}" if found["signal"] is not None else "")
+            + ")"
         )
+        if found["agreed_step"] is not None:
+            what += f", agreed at step {found['agreed_step']}"
+        else:  # taken at the end of BUILD or RESTORE, by ``preempt``
+            what += ", taken before training (nothing to save)"
     else:
         what = f"{found['signal']} at step {found['at_step']}"
     marks = [
