@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from tests.cli_helpers import audit_json, cli
+from tests.distributed.launch import ROOT, events, free_port
 from tests.fake_slurm import PENDING_EXECUTION, FakeSlurm
 from tests.helpers import TinyTrainer, read_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
@@ -62,13 +65,13 @@ def in_partition(name: str, restarts: int = 0) -> SlurmJob:
 def test_a_running_job_not_preempted_has_no_preempt_time() -> None:
     """``PreemptEligibleTime`` comes first on the line and has a time: only ``PreemptTime`` counts."""
     view = parse_job(shown("job-running"), READ_AT)
-    assert view == JobView(READ_AT, 1795780023.0, "RUNNING", 0, None, "low")
+    assert view == JobView(READ_AT, 1795780023.0, "RUNNING", 0, None, "low", batch=True)
 
 
 def test_a_job_preempted_in_its_grace_time_has_a_preempt_time_and_its_end_at_the_graces_end() -> None:
     """As SLURM chose it for preemption (``low``: GraceTime 30): still RUNNING, ``EndTime`` moved."""
     view = parse_job(shown("job-preempted-in-grace"), READ_AT)
-    assert view == JobView(READ_AT, 1795779454.0, "RUNNING", 0, 1795779424.0, "low")
+    assert view == JobView(READ_AT, 1795779454.0, "RUNNING", 0, 1795779424.0, "low", batch=True)
     assert view.end_time == view.preempt_time + 30  # type: ignore[operator]
 
 
@@ -76,19 +79,19 @@ def test_a_job_slurm_requeued_is_completing_with_restarts_1_and_its_next_end() -
     """At the grace time's end under ``PreemptMode=REQUEUE``: COMPLETING, Restarts=1 already, no
     ``PreemptTime`` field, and ``EndTime`` the requeued job's: now + its time limit."""
     view = parse_job(shown("job-completing-requeued"), READ_AT)
-    assert view == JobView(READ_AT, 1795780064.0, "COMPLETING", 1, None, "low")
+    assert view == JobView(READ_AT, 1795780064.0, "COMPLETING", 1, None, "low", batch=True)
 
 
 def test_a_requeued_job_pending_has_no_end() -> None:
     view = parse_job(shown("job-pending-requeued"), READ_AT)
-    assert view == JobView(READ_AT, None, "PENDING", 1, None, "low")
+    assert view == JobView(READ_AT, None, "PENDING", 1, None, "low", batch=True)
 
 
 def test_a_cancelled_preemption_is_completing_with_restarts_0() -> None:
     """``PreemptMode=CANCEL`` at the grace time's end: COMPLETING, no restart, ``PreemptTime`` moved
     to the kill."""
     view = parse_job(shown("job-completing-cancelled"), READ_AT)
-    assert view == JobView(READ_AT, 1795779386.0, "COMPLETING", 0, 1795779386.0, "low-cancel")
+    assert view == JobView(READ_AT, 1795779386.0, "COMPLETING", 0, 1795779386.0, "low-cancel", batch=True)
 
 
 @pytest.mark.parametrize(
@@ -286,7 +289,8 @@ def test_a_preemption_the_trainer_cannot_take_yet_is_offered_again_every_quarter
     fake_slurm: FakeSlurm,
 ) -> None:
     """``on_preempted`` says False (the exit policy is not known before the end of BUILD): the same
-    view is offered again every 0.25 s, without reading SLURM again, until it says True; then never."""
+    view is offered again every 0.25 s until it says True; then never. The reads go on meanwhile
+    (the job's end stays current for the deadline)."""
     fake_slurm.end_in(3600.0)
     preempt_time = fake_slurm.preempt(grace_time=30)
     taker = Taker(fake_slurm, refuse=3)
@@ -301,7 +305,8 @@ def test_a_preemption_the_trainer_cannot_take_yet_is_offered_again_every_quarter
     assert len(taker.offers) == 4 and show_job_reads(fake_slurm) > reads  # reading went on, offering did not
     gaps = [b[0] - a[0] for a, b in itertools.pairwise(taker.offers)]
     assert all(0.24 <= gap < 1.0 for gap in gaps), gaps
-    assert len({reads for _, _, reads in taker.offers}) == 1  # no read while the offer waited
+    counts = [reads for _, _, reads in taker.offers]
+    assert counts == sorted(set(counts))  # a read between two offers
     assert len({id(view) for _, view, _ in taker.offers}) == 1 and taker.offers[0][1].preempt_time == preempt_time
     assert followed.preempted is taker.offers[0][1]
 
@@ -822,3 +827,147 @@ def test_another_event_after_exit_is_still_malformed(tmp_path: Path, monkeypatch
     malformed = [p for p in report.problems if p.kind == "malformed"]
     assert not report.consistent and len(malformed) == 1, report.problems
     assert "checkpoint_saved after the exit event of attempt 0" in malformed[0].message
+
+
+# ---------------------------------------------------------------- the review's findings
+@pytest.mark.usefixtures("quick_exit", "read_often")
+def test_a_controller_silent_at_the_start_still_lets_a_preemption_be_noticed(tmp_path: Path, low: FakeSlurm) -> None:
+    """slurmctld does not answer when ``train()`` begins (no end, no partition known), then answers
+    again: rank 0 follows the job all the same (at the minute's rate until a read names the
+    partition, then at its grace time's), so a later ``PreemptTime`` takes the run out."""
+    low.controller_down()
+    workspace = tmp_path / "run"
+
+    def preempt() -> None:
+        low.controller_down(False)
+        low.preempt(GRACE)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slurm, "REREAD_SECONDS", 1.0)  # the minute, in a test's time
+        code = leaves(trainer(workspace, steps=3000, at_step={3: preempt}))
+    events = read_events(workspace)
+    assert code == 128 + EXIT_SIGNALS[0]
+    assert events[0]["slurm"]["partition"] is None  # the start's read failed
+    [preempted] = named(events, "preempted")
+    assert preempted["grace_time"] == GRACE and preempted["mode"] == "REQUEUE"  # learnt from a later read
+    assert named(events, "signal_agreed")[0]["reason"] == "preemption"
+
+
+def test_a_preempt_time_at_the_start_in_a_suspending_partition_is_not_taken_and_the_reads_go_on(
+    fake_slurm: FakeSlurm,
+) -> None:
+    """A ``SUSPEND`` preemption stops the job and continues it later: nothing to save, so the
+    ``PreemptTime`` SLURM set before ``train()`` began is not handed over, and the job's end is
+    still read (a later ``scontrol update TimeLimit=`` is seen)."""
+    fake_slurm.end_in(3600.0)
+    job = slurm.SlurmJob(
+        "4242", None, None, 0, None, None, end_time=time.time() + 3600.0, partition="low",
+        preempt_mode="GANG,SUSPEND", grace_time=30.0, preempt_time=time.time() - 5,
+    )  # fmt: skip
+    offered: list[Any] = []
+    follow = JobEnd(job, every=0.1, on_preempted=lambda view: offered.append(view) or True).start()
+    try:
+        later = fake_slurm.end_in(7200.0)
+        deadline = time.monotonic() + 5
+        while follow.end_time != later and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert follow.end_time == later
+        assert offered == [] and follow.preempted is None
+    finally:
+        follow.stop()
+
+
+def test_a_preemption_the_policy_cannot_take_does_not_stop_the_reads(fake_slurm: FakeSlurm) -> None:
+    """``on_preempted`` says no (a policy without exit signals): the offer is repeated, and the
+    job's end is still read meanwhile."""
+    fake_slurm.end_in(3600.0)
+    job = slurm.SlurmJob("4242", None, None, 0, None, None, end_time=time.time() + 3600.0, preempt_time=time.time())
+    follow = JobEnd(job, every=0.1, on_preempted=lambda view: False).start()
+    try:
+        later = fake_slurm.end_in(7200.0)
+        deadline = time.monotonic() + 5
+        while follow.end_time != later and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert follow.end_time == later and follow.preempted is None
+    finally:
+        follow.stop()
+
+
+def ranks_preempted(tmp_path: Path, low: FakeSlurm, world: int, exit_wait: float = 0.0) -> list[float]:
+    """``world`` gloo ranks (tests/faults/preempted_ranks.py), preempted once each trains; the
+    time each process ended."""
+    workspace = tmp_path / "run"
+    port = free_port()
+    log = tmp_path / "ranks.log"
+    command = [sys.executable, str(ROOT / "tests" / "faults" / "preempted_ranks.py"), "--world", str(world)]
+    command += ["--port", str(port), "--workspace", str(workspace), "--exit-wait", str(exit_wait)]
+    with open(log, "ab") as out:
+        procs = [
+            subprocess.Popen([*command, "--rank", str(r)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            for r in range(world)
+        ]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(named(events(workspace, r), "restore") for r in range(world)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.5)
+        low.preempt(30)
+        ended = []
+        for p in procs:
+            assert p.wait(timeout=120) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+            ended.append(time.time())
+        return ended
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.distributed
+def test_every_rank_records_rank_0s_preemption_as_the_reason_it_left(tmp_path: Path, low: FakeSlurm) -> None:
+    """Three gloo ranks, each its own process; rank 0 alone reads the job and sees the
+    ``PreemptTime``. The bit that says so travels in the step's agreement: every rank stops at
+    one step and records ``reason="preemption"``, and the audit finds the trail consistent."""
+    low.set_kill_wait(10)
+    ranks_preempted(tmp_path, low, world=3)
+    workspace = tmp_path / "run"
+    agreed = [named(events(workspace, r), "signal_agreed") for r in range(3)]
+    assert [[e["reason"] for e in a] for a in agreed] == [["preemption"]] * 3
+    assert len({a[0]["agreed_step"] for a in agreed}) == 1
+    report = audit.audit([workspace])
+    assert report.consistent and report.ended_well, (report.problems, report.run_problems)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(sys.platform != "linux", reason="torchrun and prctl: Linux")
+def test_under_torchrun_rank_0s_notice_stops_its_agent_instead_of_a_restart(tmp_path: Path, low: FakeSlurm) -> None:
+    """One torchrun worker (``--max-restarts 2``), ``requeue=False``: rank 0 sees the
+    ``PreemptTime``, saves and exits 143. No signal reached its agent, so the worker stops it as it
+    ends (``launcher_stop``); else torchrun would restart the worker into the preempted job, twice."""
+    workspace, log = tmp_path / "run", tmp_path / "torchrun.log"
+    launcher = Path(sys.executable).with_name("torchrun")
+    command = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    command += ["--rdzv-backend", "static", "--master-port", str(free_port()), "--nproc-per-node", "1"]
+    command += ["--max-restarts", "2", str(ROOT / "tests" / "faults" / "preempted_ranks.py")]
+    command += ["--workspace", str(workspace), "--no-requeue"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    with open(log, "ab") as out:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not named(events(workspace, 0), "restore"):
+            assert time.monotonic() < deadline and process.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.5)
+        low.preempt(30)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    trail = events(workspace, 0)
+    assert {e["attempt"] for e in trail} == {0}, log.read_text()[-3000:]  # no restart
+    assert named(trail, "launcher_stop") and named(trail, "checkpoint_saved")
+    assert named(trail, "exit")[-1]["reason"] == "preempted"

@@ -53,6 +53,7 @@ from trainfsm.preemption import slurm
 from trainfsm.preemption.signals import (
     DEADLINE,
     HELD_SIGNALS,
+    PREEMPTED,
     REPORTED_SIGNALS,
     SIGNAL_BITS,
     Received,
@@ -202,14 +203,20 @@ class Preemption:
         job = self.job
         if job is None or self.rank != 0:
             return None
-        # Not "read more often than every minute": a grace time of 3 minutes or more is read every
-        # minute, and is there to use all the same.
-        preemptible = slurm.preempts_with_grace(job) or job.preempt_time is not None
+        # A partition whose preemption ends the job is followed whatever its GraceTime (a grace time
+        # of minutes is read every minute; under preempt/qos the QOS's grace applies, which the
+        # partition does not show); so is a job whose partition the start's read could not learn
+        # (leaves_when_preempted: True when not known). PreemptMode=OFF: only for the deadline.
+        preemptible = slurm.leaves_when_preempted(job) or job.preempt_time is not None
         if not preemptible and not (for_deadline and job.end_time is not None):
             return None
-        take = self.slurm_preempted if slurm.leaves_when_preempted(job) else None  # SUSPEND: nothing to save
-        self._job_end = slurm.JobEnd(job, on_preempted=take).start()
+        self._job_end = slurm.JobEnd(job, on_preempted=self.slurm_preempted).start()
         return self._job_end
+
+    def _followed(self) -> slurm.SlurmJob | None:
+        """The job as rank 0 knows it: with its partition learnt since the start, where the start's
+        read could not say (``JobEnd``)."""
+        return self._job_end.job if self._job_end is not None else self.job
 
     def slurm_preempted(self, view: slurm.JobView) -> bool:
         """From ``JobEnd``'s thread: SLURM chose the job for preemption (``view.preempt_time``).
@@ -221,7 +228,7 @@ class Preemption:
             return False
         self._preemption_noticed_at = time.time()
         self._preemption = view  # before the bit: the trainer's thread reads it once it sees it
-        self.watcher.raise_deadline(policy.signals[0])
+        self.watcher.raise_deadline(policy.signals[0], preempted=True)
         return True
 
     # ---------------------------------------------------------------- BUILD
@@ -319,7 +326,7 @@ class Preemption:
             self._left_by = pending & SIGNAL_BITS
         self.report()
         self._report_preemption()
-        if self._preemption is not None:
+        if self._preemption is not None or pending & PREEMPTED:  # PREEMPTED: rank 0's, through the agreement
             self._cause = "preemption"
         else:
             self._cause = "deadline" if pending & DEADLINE else "signal"
@@ -336,7 +343,7 @@ class Preemption:
         if view is None or self._preemption_reported:
             return
         self._preemption_reported = True
-        job = self.job
+        job = self._followed()
         self.log.warning(
             "preempted",
             preempt_time=view.preempt_time,
@@ -363,8 +370,12 @@ class Preemption:
         """Entering EXIT's own work, after the hooks' (the checkpoint is durable by then)."""
         self._decide_held()  # BUILD failed before the policy was known: held signals are passed on
         self.report()
-        self._report_preemption()
-        if preempted and not self.watcher.pending:  # another rank's signal: this node's agent got none
+        if preempted:  # a PreemptTime seen in the EXIT of a completed run is not why it ended
+            self._report_preemption()
+        pending = self.watcher.pending
+        # Another rank's signal, or this rank's own deadline or notice of a preemption: this node's
+        # agent got no signal, and would restart its workers.
+        if preempted and (not pending or pending & DEADLINE):
             agent = stop_launcher_at_exit(signal.SIGTERM)
             if agent is not None:
                 self.log.warning("launcher_stop", pid=agent, signal="SIGTERM", at="process exit")
@@ -392,7 +403,7 @@ class Preemption:
             return
         view, wait = read.result()
         self._after_signal = view
-        job = self.job
+        job = self._followed()
         left_at = self._left_at if self._left_at is not None else time.time()
         sigterm = self._cause == "signal" and self._left_by == signal.SIGTERM
         kill = slurm.deadline_after(view, job, left_at, wait, sigterm) if job is not None else None
@@ -440,8 +451,11 @@ class Preemption:
         job = self.job
         if job is None or requeue is False:
             return
-        if requeue == "auto" and not slurm.is_batch_job(job.job_id):
-            return
+        if requeue == "auto":
+            view = self._after_signal  # read since the signal; else ask (None: SLURM did not say: try)
+            batch = view.batch if view is not None and view.batch is not None else slurm.is_batch_job(job.job_id)
+            if batch is False:
+                return
         if cap is not None and job.restart_count >= cap:
             refused = f"SLURM_RESTART_COUNT={job.restart_count} reached max_requeues={cap}"
         if refused is not None:
@@ -454,7 +468,7 @@ class Preemption:
             return
         result = slurm.requeue(job)
         if not result.ok:  # "Job is pending execution": SLURM may have requeued it meanwhile
-            view = slurm.show_job(job.job_id)
+            view = slurm.show_job(job.job_id, timeout=2.0)  # short: KillWait runs
             if slurm.requeued_by_slurm(view, job):
                 self._requeued_by_slurm(record, result, view)
                 return

@@ -44,6 +44,8 @@ HELD_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGTERM, signal.SIGUSR
 #: signal, ends the run (``trainfsm.preemption.deadline``): the number travels in the same
 #: agreements as a signal's, and every rank can tell. ``pending & SIGNAL_BITS`` is the signal.
 DEADLINE: Final = 0x100
+#: With ``DEADLINE``: it was SLURM's preemption (a ``PreemptTime`` rank 0 saw), not the job's end.
+PREEMPTED: Final = 0x200
 SIGNAL_BITS: Final = 0xFF
 
 #: Reported at ``run_start`` when ignored, blocked or pending as ``train()`` begins.
@@ -227,13 +229,14 @@ class SignalWatcher:
             with contextlib.suppress(OSError):
                 os.write(wake, b"\0")
 
-    def raise_deadline(self, signum: int) -> bool:
+    def raise_deadline(self, signum: int, preempted: bool = False) -> bool:
         """From the watchdog's thread: the job's end is near; pending from now on as if ``signum``
         had arrived, with the ``DEADLINE`` bit (nothing is added to ``received``). False when a
         signal is already pending: it takes the same way out."""
         if self.pending:
             return False
-        self.pending = DEADLINE | signum  # one attribute write: the handler and the main loop read it
+        # One attribute write: the handler and the main loop read it. The bits travel in the agreement.
+        self.pending = DEADLINE | (PREEMPTED if preempted else 0) | signum
         return True  # nothing to wake: ``sleep`` runs only with an exit pending, when this returns False
 
     def take_new(self) -> list[Received]:

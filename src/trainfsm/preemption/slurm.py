@@ -47,7 +47,7 @@ _ARRAY_ID = re.compile(r"\d+_\d+")
 _PARTITION = re.compile(r"[\w.-]+")
 _END_TIME = re.compile(r"(?:^|\s)EndTime=(\S+)")
 _TIME_LIMIT = re.compile(r"(?:^|\s)TimeLimit=(\S+)")
-_FIELD = re.compile(r"(?:^|\s)(JobState|Restarts|PreemptTime|Partition|GraceTime|PreemptMode)=(\S+)")
+_FIELD = re.compile(r"(?:^|\s)(JobState|Restarts|PreemptTime|Partition|GraceTime|PreemptMode|BatchFlag)=(\S+)")
 _KILL_WAIT = re.compile(r"^KillWait\s*=\s*(\d+)", re.MULTILINE)
 
 #: How often rank 0 reads the job's end again while it watches it (``JobEnd``). Each read is one
@@ -130,8 +130,10 @@ class RequeueResult:
     message: str
 
 
-def is_batch_job(job_id: str, timeout: float = 10.0) -> bool:
-    """Whether ``job_id`` runs a batch script (``BatchFlag=1``), for ``requeue="auto"``."""
+def is_batch_job(job_id: str, timeout: float = 10.0) -> bool | None:
+    """Whether ``job_id`` runs a batch script (``BatchFlag=1``), for ``requeue="auto"``; None when
+    SLURM could not say (no scontrol, no answer within ``timeout``): then the requeue is tried,
+    and its own answer recorded, rather than skipped without a word."""
     scontrol = shutil.which("scontrol")
     if scontrol is None or not valid_job_id(job_id):
         return False
@@ -140,7 +142,9 @@ def is_batch_job(job_id: str, timeout: float = 10.0) -> bool:
             [scontrol, "show", "job", "-o", job_id], capture_output=True, text=True, timeout=timeout, check=False
         )
     except (OSError, subprocess.TimeoutExpired):
-        return False
+        return None
+    if shown.returncode != 0:
+        return None
     return "BatchFlag=1" in shown.stdout
 
 
@@ -187,6 +191,7 @@ class JobView:
     restarts: int | None  # Restarts: how often SLURM requeued the job so far
     preempt_time: float | None  # PreemptTime: when SLURM chose it for preemption; None: it has not
     partition: str | None
+    batch: bool | None = None  # BatchFlag: it runs a batch script (``requeue="auto"`` requeues those)
 
 
 def parse_job(shown: str, read_at: float) -> JobView:
@@ -200,6 +205,7 @@ def parse_job(shown: str, read_at: float) -> JobView:
         restarts=int(restarts) if restarts.isdigit() else None,
         preempt_time=_epoch(fields.get("PreemptTime")),
         partition=fields.get("Partition"),
+        batch={"1": True, "0": False}.get(fields.get("BatchFlag", "")),
     )
 
 
@@ -457,11 +463,14 @@ class JobEnd:
     (epoch seconds; None: no limit any more), read when ``train()`` began, then again every
     ``every`` seconds (``reread_seconds``) on a thread of its own from ``start`` to ``stop``, so
     that no step waits for ``scontrol`` and a slow controller delays nothing but the next read. A
-    read that fails keeps the last end: a busy controller must not disarm the deadline.
+    read that fails keeps the last end: a busy controller must not disarm the deadline; and where
+    the start's read failed (no partition known), the first read that works learns the partition
+    and with it how often to read.
 
-    A read that shows a ``PreemptTime`` is handed to ``on_preempted`` (from this thread), again
-    every quarter of a second until it takes it (True: the exit policy is known; before the end
-    of BUILD it is not), then never again: ``preempted`` keeps it."""
+    A read that shows a ``PreemptTime``, in a partition whose preemption ends the job
+    (``leaves_when_preempted``), is handed to ``on_preempted`` (from this thread), again every
+    quarter of a second until it takes it (True: the exit policy is known; before the end of BUILD
+    it is not), then never again: ``preempted`` keeps it. The reads go on meanwhile."""
 
     def __init__(
         self,
@@ -469,13 +478,15 @@ class JobEnd:
         every: float | None = None,
         on_preempted: Callable[[JobView], bool] | None = None,
     ) -> None:
+        self.job = job
         self.job_id = job.job_id
         self.end_time = job.end_time
+        self._fixed = every  # a caller's interval (tests); else it follows the partition
         self.every = reread_seconds(job) if every is None else every
         self.on_preempted = on_preempted
         self.preempted: JobView | None = None
         self._pending: JobView | None = None
-        if job.preempt_time is not None:  # chosen for preemption before train() began
+        if job.preempt_time is not None and leaves_when_preempted(job):  # chosen before train() began
             self._pending = JobView(time.time(), job.end_time, "RUNNING", job.restart_count, job.preempt_time, None)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -486,18 +497,41 @@ class JobEnd:
         return self
 
     def _follow(self) -> None:
-        while not self._stop.wait(self._HAND_OVER if self._pending is not None else self.every):
-            if self._pending is None:
-                shown = _show_job(self.job_id, timeout=5.0)
-                if shown is None or self._stop.is_set():
-                    continue
-                view = parse_job(shown, time.time())
-                self.end_time = view.end_time
-                if view.preempt_time is None or self.preempted is not None or self.on_preempted is None:
-                    continue
-                self._pending = view
-            if self.on_preempted is not None and self.on_preempted(self._pending):
-                self.preempted, self._pending = self._pending, None
+        next_read = time.monotonic() + self.every
+        while True:
+            offering = self._pending is not None and self.on_preempted is not None
+            wait = self._HAND_OVER if offering else max(0.0, next_read - time.monotonic())
+            if self._stop.wait(wait):
+                return
+            if time.monotonic() >= next_read:
+                self._read()
+                next_read = time.monotonic() + self.every
+            pending = self._pending
+            if pending is not None and self.on_preempted is not None and self.on_preempted(pending):
+                self.preempted, self._pending = pending, None
+
+    def _read(self) -> None:
+        shown = _show_job(self.job_id, timeout=5.0)
+        if shown is None or self._stop.is_set():
+            return
+        view = parse_job(shown, time.time())
+        self.end_time = view.end_time
+        if self.job.partition is None and view.partition:  # the start's read failed: learn it now
+            self._learn_partition(view.partition)
+        first = self.preempted is None and self._pending is None
+        if view.preempt_time is not None and first and leaves_when_preempted(self.job):
+            self._pending = view
+
+    def _learn_partition(self, name: str) -> None:
+        partition = show_partition(name)
+        self.job = replace(
+            self.job,
+            partition=name,
+            preempt_mode=partition.preempt_mode if partition else None,
+            grace_time=partition.grace_time if partition else None,
+        )
+        if self._fixed is None:
+            self.every = reread_seconds(self.job)
 
     #: Seconds between two offers of a preemption the trainer could not take yet.
     _HAND_OVER: Final = 0.25
