@@ -283,7 +283,7 @@ def test_the_trainer_leaves_by_the_preemption_path_before_the_jobs_end_and_resum
     assert (events[-1]["event"], events[-1]["reason"], events[-1]["code"]) == ("exit", "preempted", 143)
     assert events[-1]["ts"] < end
     # Rank 0 asked SLURM with SLURM_TIME_FORMAT=%s: at the start, and after the deadline (before the requeue).
-    assert [c for c in fake_slurm.calls() if c.startswith("%s|")] == ["%s|show job -o 4242"] * 2
+    assert [c for c in fake_slurm.calls() if "show job" in c] == ["%s|show job -o 4242"] * 2
 
     report = audit.audit([workspace])
     assert report.consistent and report.ended_well, (report.problems, report.run_problems)
@@ -495,7 +495,7 @@ def test_with_two_ranks_rank_0s_deadline_reaches_rank_1_through_the_step_agreeme
     assert [(e["agreed_step"], e["reason"]) for e in agreed[1]] == [(made["step"], "deadline")]
     assert agreed[1][0]["step_ended_at"] is None  # nothing was pending on rank 1 itself
     assert [e["saved_step"] for e in trails[0] if e["event"] == "checkpoint_saved"] == [made["step"]]
-    assert [c for c in fake_slurm.calls() if c.startswith("%s|")] == ["%s|show job -o 4242"] * 2
+    assert [c for c in fake_slurm.calls() if "show job" in c] == ["%s|show job -o 4242"] * 2
     assert fake_slurm.requeued() == ["4242"]
     assert max(trails[rank][-1]["ts"] for rank in (0, 1)) < end
     report = audit.audit([tmp_path / "run"])

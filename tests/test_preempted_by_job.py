@@ -606,7 +606,7 @@ def test_rank_0_reads_the_job_every_minute_unless_its_partition_preempts_with_a_
     events = read_events(workspace)
     assert events[0]["slurm"]["preempt_mode"] == mode and events[-1]["reason"] == "stopped"
     reads = [at for at, call in fake_slurm.call_times() if call == "%s|show job -o 4242"]
-    assert [call for _, call in fake_slurm.call_times() if "partition" in call] == ["|show partition -o part"]
+    assert [call for _, call in fake_slurm.call_times() if "partition" in call] == ["%s|show partition -o part"]
     assert reads[0] < began[0]  # the start's read, in BUILD
     later = reads[1:]
     if every == slurm.REREAD_SECONDS:

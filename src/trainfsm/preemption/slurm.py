@@ -132,20 +132,12 @@ class RequeueResult:
 
 def is_batch_job(job_id: str, timeout: float = 10.0) -> bool | None:
     """Whether ``job_id`` runs a batch script (``BatchFlag=1``), for ``requeue="auto"``; None when
-    SLURM could not say (no scontrol, no answer within ``timeout``): then the requeue is tried,
-    and its own answer recorded, rather than skipped without a word."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None or not valid_job_id(job_id):
+    SLURM could not say (no answer within ``timeout``): then the requeue is tried, and its own
+    answer recorded, rather than skipped without a word."""
+    if shutil.which("scontrol") is None or not valid_job_id(job_id):
         return False
-    try:
-        shown = subprocess.run(
-            [scontrol, "show", "job", "-o", job_id], capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if shown.returncode != 0:
-        return None
-    return "BatchFlag=1" in shown.stdout
+    shown = _scontrol(["show", "job", "-o", job_id], timeout)
+    return None if shown is None else "BatchFlag=1" in shown
 
 
 def requeue(job: SlurmJob, timeout: float = 30.0) -> RequeueResult:
@@ -249,21 +241,10 @@ def parse_partition(name: str, shown: str) -> Partition:
 
 def show_partition(name: str, timeout: float = 5.0) -> Partition | None:
     """The partition's ``PreemptMode`` and ``GraceTime``; None where SLURM could not say."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None or not _PARTITION.fullmatch(name):
+    if not _PARTITION.fullmatch(name):
         return None
-    try:
-        shown = subprocess.run(
-            [scontrol, "show", "partition", "-o", name],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            start_new_session=True,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_partition(name, shown.stdout) if shown.returncode == 0 else None
+    shown = _scontrol(["show", "partition", "-o", name], timeout)
+    return None if shown is None else parse_partition(name, shown)
 
 
 def with_job_details(job: SlurmJob, timeout: float = 5.0) -> SlurmJob:
@@ -301,21 +282,8 @@ def reread_seconds(job: SlurmJob) -> float:
 
 def kill_wait(timeout: float = 5.0) -> float | None:
     """The cluster's ``KillWait``: seconds from SLURM's SIGTERM to its SIGKILL (None: not known)."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        return None
-    try:
-        shown = subprocess.run(
-            [scontrol, "show", "config"],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            start_new_session=True,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    found = _KILL_WAIT.search(shown.stdout) if shown.returncode == 0 else None
+    shown = _scontrol(["show", "config"], timeout)
+    found = _KILL_WAIT.search(shown) if shown is not None else None
     return float(found.group(1)) if found else None
 
 
@@ -391,16 +359,22 @@ def deadline_after(
 
 
 def _show_job(job_id: str, timeout: float) -> str | None:
-    """``scontrol show job -o`` with epoch times; None where it could not say (no scontrol, an error,
-    no answer within ``timeout``)."""
+    """``scontrol show job -o`` with epoch times; None where it could not say."""
+    return _scontrol(["show", "job", "-o", job_id], timeout) if valid_job_id(job_id) else None
+
+
+def _scontrol(args: list[str], timeout: float) -> str | None:
+    """``scontrol ARGS``'s output, times in epoch seconds (``SLURM_TIME_FORMAT=%s``, whatever the
+    time zone); None where SLURM could not say (no scontrol, an error, no answer within ``timeout``).
+    Never raises."""
     scontrol = shutil.which("scontrol")
-    if scontrol is None or not valid_job_id(job_id):
+    if scontrol is None:
         return None
     try:
         # Its own session, as for the requeue: a signal SLURM sends the job's processes (scancel
         # --signal, the requeue's SIGTERM) must not end the read half-way.
         shown = subprocess.run(
-            [scontrol, "show", "job", "-o", job_id],
+            [scontrol, *args],
             capture_output=True,
             text=True,
             timeout=timeout,
