@@ -132,12 +132,26 @@ class RequeueResult:
 
 def is_batch_job(job_id: str, timeout: float = 10.0) -> bool | None:
     """Whether ``job_id`` runs a batch script (``BatchFlag=1``), for ``requeue="auto"``; None when
-    SLURM could not say (no answer within ``timeout``): then the requeue is tried, and its own
-    answer recorded, rather than skipped without a word."""
-    if shutil.which("scontrol") is None or not valid_job_id(job_id):
+    the controller did not answer within ``timeout``: then the requeue is tried, and its own
+    answer recorded, rather than skipped without a word. An answer that is an error (no such job,
+    no SLURM configured here) is False: not a batch job this trainer should requeue."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None or not valid_job_id(job_id):
         return False
-    shown = _scontrol(["show", "job", "-o", job_id], timeout)
-    return None if shown is None else "BatchFlag=1" in shown
+    try:
+        shown = subprocess.run(
+            [scontrol, "show", "job", "-o", job_id],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired:
+        return None  # a controller that does not answer: maybe a batch job
+    except OSError:
+        return False
+    return shown.returncode == 0 and "BatchFlag=1" in shown.stdout  # an error: no such job, no SLURM here
 
 
 def requeue(job: SlurmJob, timeout: float = 30.0) -> RequeueResult:
