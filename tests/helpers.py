@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,25 @@ class TinyTrainer(BaseTrainer):
             loss = loss * float("nan")
         self.losses.append(loss.item())
         return loss, {"loss": loss.item(), "m": {"batch": float(input["i"])}}
+
+
+class Slow(BaseHook):
+    """Each step takes at least ``seconds``; calls ``at_step[step]()`` as that step ends (a
+    preemption, a moved job end: something at a known step of a run that is not too fast)."""
+
+    def __init__(self, seconds: float, at_step: dict[int, Any] | None = None) -> None:
+        self.seconds, self.at_step = seconds, dict(at_step or {})
+
+    def on_after_step(self, trainer: BaseTrainer) -> None:
+        time.sleep(self.seconds)
+        action = self.at_step.pop(trainer.step, None)
+        if action is not None:
+            action()
+
+
+def parameters(run: BaseTrainer) -> list[torch.Tensor]:
+    """The model's parameters, detached copies."""
+    return [p.detach().clone() for p in run.model.parameters()]  # type: ignore[union-attr]
 
 
 class RecordingHook(BaseHook):

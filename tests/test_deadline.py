@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.fake_slurm import FakeSlurm
-from tests.helpers import TinyTrainer, read_events
+from tests.helpers import Slow, TinyTrainer, parameters, read_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
 from trainfsm.checkpoint import io as checkpoint_io
 from trainfsm.checkpoint.background import WriteTimes
@@ -27,19 +27,6 @@ from trainfsm.preemption.deadline import AUTO_MARGIN_FLOOR, AUTO_MARGIN_SHARE, E
 from trainfsm.preemption.signals import DEADLINE, SignalWatcher
 from trainfsm.preemption.slurm import JobEnd, parse_end_time
 from trainfsm.tools import audit
-
-
-class Slow(BaseHook):
-    """Each step takes at least ``seconds``; optionally calls ``at_step[step]()`` as a step ends."""
-
-    def __init__(self, seconds: float, at_step: dict[int, Any] | None = None) -> None:
-        self.seconds, self.at_step = seconds, dict(at_step or {})
-
-    def on_after_step(self, trainer: BaseTrainer) -> None:
-        time.sleep(self.seconds)
-        action = self.at_step.pop(trainer.step, None)
-        if action is not None:
-            action()
 
 
 @pytest.fixture
@@ -86,10 +73,6 @@ def trainer(
 def job_ending(end: float, job_id: str = "7") -> slurm.SlurmJob:
     """A job with that end (epoch seconds), in a partition that never preempts."""
     return slurm.SlurmJob(job_id, None, None, 0, None, None, end_time=end)
-
-
-def parameters(run: TinyTrainer) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in run.model.parameters()]  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- the option

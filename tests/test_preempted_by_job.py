@@ -23,7 +23,7 @@ import torch
 from tests.cli_helpers import audit_json, cli
 from tests.distributed.launch import ROOT, events, free_port
 from tests.fake_slurm import PENDING_EXECUTION, FakeSlurm
-from tests.helpers import TinyTrainer, read_events
+from tests.helpers import Slow, TinyTrainer, parameters, read_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
 from trainfsm.preemption import deadline, slurm
 from trainfsm.preemption.slurm import (
@@ -360,19 +360,6 @@ def low(fake_slurm: FakeSlurm) -> FakeSlurm:
     return fake_slurm
 
 
-class Slow(BaseHook):
-    """Each step takes at least ``seconds``; calls ``at_step[step]()`` as that step ends."""
-
-    def __init__(self, seconds: float, at_step: dict[int, Any] | None = None) -> None:
-        self.seconds, self.at_step = seconds, dict(at_step or {})
-
-    def on_after_step(self, trainer: BaseTrainer) -> None:
-        time.sleep(self.seconds)
-        action = self.at_step.pop(trainer.step, None)
-        if action is not None:
-            action()
-
-
 #: The exit policy of these runs: SIGUSR1 first, so that leaving "as if by the first signal" shows as
 #: 138 and SIGUSR1, and SLURM's SIGTERM after the requeue is one of its signals (recorded, not fatal).
 EXIT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -383,10 +370,6 @@ def trainer(workspace: Path, steps: int = 1000, slow: float = 0.01, at_step: Any
     saves = CheckpointingHook(interval=100_000, exit_signals=list(EXIT_SIGNALS), **policy)
     kwargs.setdefault("job_end_margin", None)  # the job's end is not what these runs are about
     return TinyTrainer(max_steps=steps, workspace=workspace, hooks=[saves, Slow(slow, at_step)], **kwargs)
-
-
-def parameters(run: TinyTrainer) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in run.model.parameters()]  # type: ignore[union-attr]
 
 
 def leaves(run: TinyTrainer) -> int:

@@ -161,7 +161,6 @@ class Preemption:
         self.log: Any = None  # the trail's logger, once the trail is open
         self.rank, self.world = 0, 1
         self.job: slurm.SlurmJob | None = None
-        self.requeued = False
         #: Who put the job back in the queue: "trainer" (``scontrol requeue``), "slurm" (it had
         #: already: ``PreemptMode=REQUEUE``), or None.
         self.requeued_by: str | None = None
@@ -472,7 +471,6 @@ class Preemption:
             if slurm.requeued_by_slurm(view, job):
                 self._requeued_by_slurm(record, result, view)
                 return
-        self.requeued = result.ok
         self.requeued_by = "trainer" if result.ok else None
         record(
             "info" if result.ok else "error",
@@ -487,7 +485,7 @@ class Preemption:
         self, record: Callable[..., None], result: slurm.RequeueResult | None, view: slurm.JobView | None
     ) -> None:
         """SLURM requeued the job itself: the run will resume, and nothing failed."""
-        self.requeued, self.requeued_by = True, "slurm"
+        self.requeued_by = "slurm"
         said = f"; scontrol requeue said: {result.message}" if result is not None else ""
         state = f"JobState={view.state} Restarts={view.restarts}" if view is not None else ""
         record(
@@ -501,5 +499,5 @@ class Preemption:
 
     def wait_before_exit(self) -> None:
         """``exit_wait`` (e.g. let SLURM record TIMEOUT, not FAILED); none after a requeue."""
-        if self.policy is not None and self.policy.wait and not self.requeued:
+        if self.policy is not None and self.policy.wait and self.requeued_by is None:
             self.watcher.sleep(self.policy.wait)

@@ -180,13 +180,6 @@ def requeue(job: SlurmJob, timeout: float = 30.0) -> RequeueResult:
     return RequeueResult(command, done.returncode == 0, message or f"exit status {done.returncode}")
 
 
-def end_time(job_id: str, timeout: float = 5.0) -> float | None:
-    """The job's end, epoch seconds, from ``scontrol show job`` (None: no limit, or SLURM did not say
-    within ``timeout``). About 10 ms on an idle controller; never raises."""
-    shown = _show_job(job_id, timeout)
-    return None if shown is None else parse_end_time(shown)
-
-
 @dataclass(frozen=True, slots=True)
 class JobView:
     """What ``scontrol show job`` said of the job, and when it was read (epoch seconds)."""
@@ -243,8 +236,7 @@ class Partition:
     @property
     def preempts_with_grace(self) -> bool:
         """A job here may be preempted, end (requeued or cancelled), and have a grace time first."""
-        modes = set((self.preempt_mode or "").split(","))
-        return bool(modes & LEAVING_MODES) and bool(self.grace_time)
+        return _ends_job(self.preempt_mode) and bool(self.grace_time)
 
 
 def parse_partition(name: str, shown: str) -> Partition:
@@ -281,9 +273,7 @@ def with_job_details(job: SlurmJob, timeout: float = 5.0) -> SlurmJob:
 def preempts_with_grace(job: SlurmJob) -> bool:
     """The job's partition, as read when ``train()`` began, may preempt it, end it and give it a
     grace time first: a ``PreemptTime`` is worth following, whatever the grace time's length."""
-    if job.partition is None:
-        return False
-    return Partition(job.partition, job.preempt_mode, job.grace_time).preempts_with_grace
+    return job.partition is not None and _ends_job(job.preempt_mode) and bool(job.grace_time)
 
 
 def reread_seconds(job: SlurmJob) -> float:
@@ -305,9 +295,12 @@ def leaves_when_preempted(job: SlurmJob) -> bool:
     """Whether a preemption ends the job (``REQUEUE``, ``CANCEL``), so that the trainer must save:
     not in a ``SUSPEND`` (or ``GANG``) partition, whose preempted jobs are stopped and go on later.
     True when the mode is not known."""
-    if job.preempt_mode is None:
-        return True
-    return bool(set(job.preempt_mode.split(",")) & LEAVING_MODES)
+    return job.preempt_mode is None or _ends_job(job.preempt_mode)
+
+
+def _ends_job(preempt_mode: str | None) -> bool:
+    """A ``PreemptMode`` (``REQUEUE``, ``GANG,SUSPEND``, ...) whose preemption ends the job."""
+    return bool(set((preempt_mode or "").split(",")) & LEAVING_MODES)
 
 
 def requeued_by_slurm(view: JobView | None, job: SlurmJob) -> bool:
@@ -467,7 +460,6 @@ class JobEnd:
         on_preempted: Callable[[JobView], bool] | None = None,
     ) -> None:
         self.job = job
-        self.job_id = job.job_id
         self.end_time = job.end_time
         self._fixed = every  # a caller's interval (tests); else it follows the partition
         self.every = reread_seconds(job) if every is None else every
@@ -499,7 +491,7 @@ class JobEnd:
                 self.preempted, self._pending = pending, None
 
     def _read(self) -> None:
-        shown = _show_job(self.job_id, timeout=5.0)
+        shown = _show_job(self.job.job_id, timeout=5.0)
         if shown is None or self._stop.is_set():
             return
         view = parse_job(shown, time.time())
