@@ -70,9 +70,11 @@ class DDPTrainer(BaseTrainer):
         step_seconds: float,
         loader: str = "dataloader",
         workers: int = 0,
+        hidden: tuple[int, int] = (64, 1),
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.hidden = hidden
         self.layout = layout
         self.interval = interval
         self.step_seconds = step_seconds
@@ -94,7 +96,11 @@ class DDPTrainer(BaseTrainer):
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).to(self.device)
+        width, depth = self.hidden
+        layers: list[nn.Module] = [nn.Linear(32, width), nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        model = nn.Sequential(*layers, nn.Linear(width, 4)).to(self.device)
         return wrap_model(model, "ddp" if self.layout is not None else "none", self.device)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
@@ -148,6 +154,14 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=0, help="data loader worker processes per rank")
     parser.add_argument(
+        "--hidden",
+        type=int,
+        nargs=2,
+        default=(64, 1),
+        metavar=("WIDTH", "LAYERS"),
+        help="hidden layers of the model (default 64 1); 768 3 makes 4.8 MB of parameters in two DDP buckets",
+    )
+    parser.add_argument(
         "--stall-timeout",
         type=stall_timeout,
         default="auto",
@@ -171,6 +185,7 @@ def main() -> None:
         args.step_seconds,
         args.loader,
         args.workers,
+        tuple(args.hidden),
         max_steps=args.steps,
         workspace=args.workspace,
         device=device,

@@ -24,6 +24,7 @@ ROOMS: dict[str, int] = {
     "options": 0,
     "utils": 0,
     "torch_workarounds": 0,
+    "ddp_buckets": 0,  # a DDP's bucket layout across a resume (private torch API, in one place)
     "plain_state": 0,
     "rng": 0,
     "step_info": 0,

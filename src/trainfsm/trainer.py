@@ -351,6 +351,7 @@ class BaseTrainer(fsm.Triggers):
             check.built("build_hooks", hook, BaseHook)
         self._data.attach(self.data_loader, self.max_epochs, self.events)
         run.warn_loss_none = is_distributed_wrapper(self.model)
+        run.buckets = resume.watch_ddp_buckets(self)
         run.stepper = Stepper.for_trainer(self, run.agreement)
         self.exit_policy = run.preemption.decide(self.hooks, run.agreement)
         run.bind_hooks(self, self.hooks, self._finish_exit)

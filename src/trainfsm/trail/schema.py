@@ -53,6 +53,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     ),
     "checkpoint_loaded": ("path", "from_step", "sharded", "format", "checksum"),
     "checkpoint_not_loaded": ("reason",),
+    "ddp_buckets": ("action", "fingerprint", "passes", "rebuilt", "same_order", "exact", "reason"),
     "checkpoint_skipped": ("path", "reason"),
     "checkpoint_foreign": ("found",),
     "checkpoint_not_newest": ("path", "from_step", "newest", "newest_step"),
@@ -193,6 +194,17 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "`path`, `from_step`, `sharded`, `format` (`trainfsm`, or `trainloop`: a checkpoint trainloop wrote), "
         "`checksum` (its manifest's, as `checkpoint_saved` recorded it; null for trainloop's)",
         "RESTORE loaded a checkpoint",
+    ),
+    "ddp_buckets": (
+        "`action`: `recorded` (the order in which the gradients became ready at the backward DDP rebuilds its "
+        "buckets from, known: `fingerprint` of the layout it gives), `primed` (RESTORE took the resumed DDP "
+        "through `passes` zero backwards in the checkpoint's order, so that it rebuilds the saved layout, "
+        "`fingerprint`, at its first forward), `checked` (after the first real backward that followed: "
+        "`rebuilt` as it had to, `same_order`: the gradients became ready in the saved order, `exact`), or "
+        "`not_primed` (`reason`: the model changed, or torch lacks what priming needs; the resume is not "
+        "bit-exact with more than two ranks). Fields an action does not set are null",
+        "a DDP model with several ranks: once per attempt (`recorded` or `primed` then `checked`), from "
+        "`trainfsm.ddp_buckets`",
     ),
     "checkpoint_not_loaded": (
         "`reason` (`load=None`)",
