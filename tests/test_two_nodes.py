@@ -218,10 +218,10 @@ def test_a_worker_killed_while_starting_up_or_in_build_restarts_both_into_one_gr
 @pytest.mark.faults
 @pytest.mark.slow
 def test_with_two_workers_per_node_a_killed_worker_restarts_all_four_ranks_into_one_group(tmp_path: Path) -> None:
-    """Four ranks, two per agent: the restart forms one group of four whatever each agent counted.
-    The parameters match an uninterrupted run to float rounding only: with more than two ranks a
-    resumed DDP run differs in the last bit, on one node as on two, because DDP rebuilds its
-    buckets after its first step (docs/guides/distributed.md)."""
+    """Four ranks, two per agent: the restart forms one group of four whatever each agent counted,
+    and ends with the uninterrupted run's parameters bit for bit: the restarted DDP starts with the
+    bucket layout the uninterrupted run had (``trainfsm.ddp_buckets``; with more than two ranks a
+    sum's order follows the layout)."""
     expected, duration = two_nodes.reference(tmp_path / "reference", "fast", 2)
     problem = two_nodes.kill_trial(tmp_path / "trial", expected, duration, "fast", random.Random(1), 1, nproc=2)
     assert problem == ""

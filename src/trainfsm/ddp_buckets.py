@@ -155,8 +155,7 @@ class BucketOrder:
             self.synced += 1
             if self.synced == self.needed and self.order is None:
                 self.order = seen
-                if self.primed is None:
-                    self._report("recorded", {"fingerprint": self.fingerprint})
+                self._report("recorded", {"fingerprint": self.fingerprint})
         if self.primed is not None:
             self._check(seen)
         if self.synced >= self.needed and self.primed is None:

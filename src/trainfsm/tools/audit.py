@@ -268,6 +268,14 @@ def _check_attempt(attempt: AttemptReport, problems: list[Problem], notes: list[
     present = [r.rank for r in attempt.ranks]
     if world is not None and len(present) < world:
         notes.append(Note(f"attempt {attempt.attempt}: world_size is {world}, but the trail has {ranks_text(present)}"))
+    buckets = next((r.buckets_problem for r in attempt.ranks if r.buckets_problem), None)
+    if buckets is not None:  # the same on every rank: noted once
+        notes.append(
+            Note(
+                f"attempt {attempt.attempt}: DDP's bucket layout may differ from the saved run's ({buckets}): "
+                f"with more than two ranks this resume is not bit-exact (docs/guides/distributed.md)"
+            )
+        )
     if len(attempt.ranks) > 1:
         if attempt.killed:
             notes.append(Note(f"attempt {attempt.attempt}: ranks not compared, as not every rank has an exit event"))

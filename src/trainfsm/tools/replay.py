@@ -97,6 +97,8 @@ class RankAttempt:
     # A preemption's times (``trainfsm.tools.preemption_timing``): run_start's job end, the step's
     # end and the agreement (signal_agreed), the deadline's figures, job_end, the exit's ts.
     timing: dict[str, Any] = field(default_factory=dict)
+    # DDP's bucket layout (``trainfsm.ddp_buckets``): why this attempt's differs from the saved one's.
+    buckets_problem: str | None = None
     end_state: str = fsm.BUILD
     end_step: int = 0
     end_line: int = 0
@@ -463,6 +465,17 @@ class Replay:
         self.result.timing["exit_at"] = record.ts
 
 
+    def _ddp_buckets(self, record: Record) -> None:
+        data = record.data
+        action = data.get("action")
+        if action == "not_primed":
+            self.result.buckets_problem = f"not primed: {data.get('reason')}"
+        elif action == "checked" and not data.get("exact"):
+            self.result.buckets_problem = "DDP did not rebuild its buckets as primed"
+        elif action == "checked" and data.get("same_order") is False:
+            self.result.buckets_problem = "the gradients became ready in another order than in the saved run"
+
+
 def innermost_own(stack: list[str]) -> str | None:
     """The innermost frame of a stall's stack that is the user's or the trainer's, not a library's
     (site-packages, the standard library, frozen imports): where to look first."""
@@ -496,4 +509,5 @@ _HANDLERS: Final = {
     "batch_fingerprint": Replay._batch_fingerprint,
     "stall": Replay._stall,
     "stall_cleared": Replay._stall_cleared,
+    "ddp_buckets": Replay._ddp_buckets,
 }

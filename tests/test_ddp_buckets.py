@@ -1,0 +1,156 @@
+"""A resumed DDP run of 3 or 4 ranks trains the uninterrupted run's bits (issue 48).
+
+DDP rebuilds its gradient buckets after its first backward (its second with ``static_graph``),
+in the order the gradients became ready; a new DDP starts with one bucket in parameter order.
+With more than two ranks a sum's order follows the layout, so a resume used to differ from an
+uninterrupted run in the last bits. ``trainfsm.ddp_buckets`` keeps the gradient order in the
+checkpoint and takes the resumed DDP through zero backwards in that order before its first step.
+
+Each case of ``tests/distributed/buckets_worker.py`` runs straight through and, in another
+workspace, stops and resumes with a new trainer and a new DDP; ``not_primed`` is the same resume
+with priming switched off: it must differ, or these tests could not see a wrong layout. The
+relaunches under torchrun (a new process) are ``tests/faults/ddp_ranks.py``'s trials.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.launch import audit_problems, events, run_worker
+from tests.faults import ddp_ranks
+
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux"), pytest.mark.distributed]
+
+WORKER = Path(__file__).resolve().parent / "distributed" / "buckets_worker.py"
+WORLD = 3
+FAST = ("default", "static_graph_after_one_step", "not_primed")
+SLOW = ("after_one_step", "wrap_model", "no_sync", "static_graph", "gradient_as_bucket_view", "model_changed")
+
+
+def launch(out: Path, cases: tuple[str, ...]) -> tuple[Path, list[dict[str, Any]]]:
+    outcome = run_worker("buckets", out, 300, "--cases", ",".join(cases), world=WORLD, worker=WORKER)
+    assert set(outcome.codes.values()) == {0} and not outcome.hung, outcome.describe()
+    return out, [torch.load(out / f"buckets.rank{rank}.pt") for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    return launch(tmp_path_factory.mktemp("buckets"), FAST)
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    return launch(tmp_path_factory.mktemp("buckets_slow"), SLOW)
+
+
+def exact(result: dict[str, Any]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(result["straight"], result["resumed"], strict=True))
+
+
+def bucket_events(out: Path, case: str, rank: int) -> list[tuple[int, str, Any, Any, Any]]:
+    trail = events(out / case / "resumed", rank)
+    return [
+        (e["attempt"], e["action"], e["passes"], e["exact"], e["same_order"])
+        for e in trail
+        if e["event"] == "ddp_buckets"
+    ]
+
+
+@pytest.mark.parametrize("case", ["default", "static_graph_after_one_step"])
+def test_a_resumed_ddp_of_three_ranks_ends_with_the_uninterrupted_runs_parameters(
+    fast: tuple[Path, list[dict[str, Any]]], case: str
+) -> None:
+    _, results = fast
+    for result in results:
+        assert result[case]["steps"] == 8
+        assert exact(result[case])
+        assert result[case]["warnings"] == []
+
+
+def test_without_priming_the_same_resume_differs_in_the_last_bits(fast: tuple[Path, list[dict[str, Any]]]) -> None:
+    """The control: these tests see a resume on DDP's first layout (what every resume was before)."""
+    _, results = fast
+    for result in results:
+        straight, resumed = result["not_primed"]["straight"], result["not_primed"]["resumed"]
+        assert not exact(result["not_primed"])
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(straight, resumed, strict=True))
+
+
+def test_the_trail_says_the_order_was_recorded_then_primed_and_checked(fast: tuple[Path, list[dict[str, Any]]]) -> None:
+    out, _ = fast
+    for rank in range(WORLD):
+        assert bucket_events(out, "default", rank) == [
+            (0, "recorded", None, None, None),
+            (1, "primed", 1, None, None),
+            (1, "checked", 1, True, True),
+        ]
+        # A static graph saved after one step had run one of the two backwards DDP rebuilds after
+        # (attempt 0 never learnt the order): one pass, and DDP must not have rebuilt at the first
+        # resumed step (it rebuilds later, as the uninterrupted run did).
+        assert bucket_events(out, "static_graph_after_one_step", rank) == [
+            (1, "primed", 1, None, None),
+            (1, "recorded", None, None, None),  # the order is known once the second backward ended
+            (1, "checked", 1, True, None),
+        ]
+    assert audit_problems(out / "default" / "resumed") == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["after_one_step", "wrap_model", "no_sync", "static_graph", "gradient_as_bucket_view"])
+def test_every_ddp_configuration_resumes_bit_exact(slow: tuple[Path, list[dict[str, Any]]], case: str) -> None:
+    out, results = slow
+    for rank, result in enumerate(results):
+        assert exact(result[case]), case
+        passes = 2 if case == "static_graph" else 1
+        assert bucket_events(out, case, rank)[1:] == [
+            (1, "primed", passes, None, None),
+            (1, "checked", passes, True, True),
+        ]
+
+
+@pytest.mark.slow
+def test_a_model_whose_trainable_parameters_changed_is_not_primed_and_says_so(
+    slow: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    from trainfsm.tools import audit
+
+    out, results = slow
+    for rank, result in enumerate(results):
+        assert result["model_changed"]["steps"] == 8  # the run goes on
+        assert all(torch.isfinite(p).all() for p in result["model_changed"]["resumed"])
+        [message] = result["model_changed"]["warnings"]
+        assert (
+            "the model's parameters changed since the checkpoint was saved (8 parameter tensors then, 6 now" in message
+        )
+        assert "find_unused_parameters=True" in message
+        [event] = [
+            e
+            for e in events(out / "model_changed" / "resumed", rank)
+            if e["event"] == "ddp_buckets" and e["attempt"] == 1
+        ]
+        assert event["action"] == "not_primed" and "parameters changed" in event["reason"]
+    text = audit.render(audit.audit([out / "model_changed" / "resumed"]))
+    assert "attempt 1: DDP's bucket layout may differ from the saved run's (not primed: the model's parameters" in text
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    ("ranks", "faults"),
+    [
+        (3, ("signal",)),
+        pytest.param(4, ("signal",), marks=pytest.mark.slow),
+        pytest.param(4, ("kill", "kill"), marks=pytest.mark.slow),
+    ],
+    ids=["3 ranks, SIGUSR1 at torchrun", "4 ranks, SIGUSR1 at torchrun", "4 ranks, SIGKILL twice"],
+)
+def test_relaunched_under_torchrun_after_a_fault_the_run_ends_bit_exact(
+    ranks: int, faults: tuple[str, ...], tmp_path: Path
+) -> None:
+    expected = ddp_ranks.reference(tmp_path, ranks)
+    assert ddp_ranks.trial(tmp_path / "trial", expected, ranks, list(faults), random.Random(ranks)) == ""
