@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from trainfsm.checkpoint.store import CheckpointError
     from trainfsm.collectives import LossNoneWarning
+    from trainfsm.ddp_buckets import DDPBucketsWarning
     from trainfsm.hooks import (
         BaseHook,
         CheckpointingHook,
@@ -66,6 +67,7 @@ _SOURCES: Final = {
         "trainfsm.hooks",
     ),
     "GroupOutlivesDestroyWarning": "trainfsm.torch_workarounds",
+    "DDPBucketsWarning": "trainfsm.ddp_buckets",
     "BaseTrainer": "trainfsm.trainer",
     "LossNoneWarning": "trainfsm.collectives",
     "key_average": "trainfsm.utils",
@@ -84,6 +86,7 @@ __all__ = [
     "CheckpointingHook",
     "CudaMaxMemoryHook",
     "CudaMemoryUnavailableWarning",
+    "DDPBucketsWarning",
     "EMAHook",
     "EarlyStoppingHook",
     "EmaHook",

@@ -137,7 +137,7 @@ class BucketOrder:
     # ------------------------------------------------------------ recording
     def _listen(self) -> None:
         for index, param in enumerate(self.params):
-            self._handles.append(param.register_post_accumulate_grad_hook(self._ready(index)))
+            self._handles.append(param.register_post_accumulate_grad_hook(self._ready(index)))  # type: ignore[no-untyped-call]
 
     def _ready(self, index: int) -> Callable[[torch.Tensor], None]:
         def ready(_: torch.Tensor) -> None:

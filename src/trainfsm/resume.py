@@ -126,13 +126,13 @@ def _prime_buckets(trainer: BaseTrainer, saved: dict[str, Any] | None) -> None:
     buckets = _buckets(trainer)
     if buckets is None or buckets.synced or buckets.primed is not None:
         return  # no DDP to prime, or one that has run already (a load during training)
-    reason = None
+    if saved is None and trainer.step == 0:
+        return  # saved before any step: DDP had not rebuilt, nor will the resumed one yet
     if saved is None:
-        if trainer.step == 0:
-            return  # saved before any step: DDP had not rebuilt, nor will the resumed one yet
-        reason = "the checkpoint holds no gradient order (written by trainloop or an earlier trainfsm)"
-    reason = reason or buckets.mismatch(saved) or ddp_buckets.unsupported(buckets.ddp)
-    if reason is not None:
+        reason: str | None = "the checkpoint holds no gradient order (written by trainloop or an earlier trainfsm)"
+    else:
+        reason = buckets.mismatch(saved) or ddp_buckets.unsupported(buckets.ddp)
+    if saved is None or reason is not None:
         trainer.events.warning("ddp_buckets", **{**_BUCKET_FIELDS, "action": "not_primed", "reason": reason})
         warnings.warn(
             f"this resumed DDP run starts with DDP's first bucket layout, not the saved run's: {reason}. With more "

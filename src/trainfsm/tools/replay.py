@@ -464,7 +464,6 @@ class Replay:
         self.result.exit_line = record.line
         self.result.timing["exit_at"] = record.ts
 
-
     def _ddp_buckets(self, record: Record) -> None:
         data = record.data
         action = data.get("action")
