@@ -154,3 +154,60 @@ def test_relaunched_under_torchrun_after_a_fault_the_run_ends_bit_exact(
 ) -> None:
     expected = ddp_ranks.reference(tmp_path, ranks)
     assert ddp_ranks.trial(tmp_path / "trial", expected, ranks, list(faults), random.Random(ranks)) == ""
+
+
+# ---------------------------------------------------------------- one process (a group of one)
+@pytest.fixture
+def group(tmp_path: Path) -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def one_rank_ddp(**kw: Any) -> Any:
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    return DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), **kw)
+
+
+def test_this_torch_has_every_private_call_the_priming_needs(group: Any) -> None:
+    """Fails on a torch whose DDP lost one: then the trainer warns and does not prime. (A torch that
+    kept the calls but changed what they do is caught at run time: the ``checked`` event.)"""
+    from trainfsm import ddp_buckets
+
+    assert ddp_buckets.unsupported(one_rank_ddp()) is None
+    assert ddp_buckets.unsupported(one_rank_ddp(static_graph=True)) is None
+
+
+def test_a_sparse_embedding_is_not_primed(group: Any) -> None:
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainfsm import ddp_buckets
+
+    ddp = DistributedDataParallel(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
+    assert "sparse-gradient embedding" in (ddp_buckets.unsupported(ddp) or "")
+
+
+def test_the_order_is_recorded_at_the_first_synchronised_backward_and_its_hooks_removed(group: Any) -> None:
+    """Nothing of it runs on later steps: no hook is left on any parameter."""
+    from trainfsm import ddp_buckets
+
+    ddp = one_rank_ddp()
+    reports: list[tuple[str, dict[str, Any]]] = []
+    order = ddp_buckets.BucketOrder(ddp, lambda action, fields: reports.append((action, fields)))
+    params = order.params
+    with ddp.no_sync():  # DDP ignores this backward: so does the recording
+        ddp(torch.randn(3, 4)).sum().backward()
+    assert order.order is None and all(p._post_accumulate_grad_hooks for p in params)
+    ddp(torch.randn(3, 4)).sum().backward()
+    assert order.order == [3, 2, 1, 0]  # the last layer's gradients first, bias before weight
+    assert order.synced == 1
+    assert [action for action, _ in reports] == ["recorded"]
+    assert all(not p._post_accumulate_grad_hooks for p in params)
+    saved = order.state()
+    assert (saved["order"], saved["synced"], saved["params"]) == ([3, 2, 1, 0], 1, 4)
