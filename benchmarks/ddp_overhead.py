@@ -12,7 +12,8 @@ workspace) and its default non-finite guard, which the hand-written loop does no
     python benchmarks/ddp_overhead.py            # both cases, both ranks
     python benchmarks/ddp_overhead.py --quick    # fewer steps, a smoke run (no verdict)
 
-Target (issue 7): ratio <= 1.05.
+Target (issue 7): ratio <= 1.05, on the total time of the timed steps (what a run waits for); the
+median step of each is printed beside it (a median hides every periodic cost).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def make_model(width: int) -> nn.Module:
 
 
 def run_case(rank: int, width: int, batch: int, steps: int, warmup: int) -> dict[str, float]:
-    """One case on this rank: medians of the hand-written and the trainer's step, in seconds."""
+    """One case on this rank: the total and the median of the hand-written and the trainer's steps,
+    in seconds (the first ``warmup`` steps of each untimed)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from trainfsm import BaseTrainer
@@ -106,7 +108,12 @@ def run_case(rank: int, width: int, batch: int, steps: int, warmup: int) -> dict
 
     with tempfile.TemporaryDirectory() as workspace:
         BenchTrainer(max_steps=steps + warmup, workspace=workspace, device="cpu").train()
-    return {"hand": statistics.median(hand), "trainer": statistics.median(trainer_times)}
+    return {
+        "hand": statistics.median(hand),
+        "trainer": statistics.median(trainer_times),
+        "hand_total": sum(hand),
+        "trainer_total": sum(trainer_times),
+    }
 
 
 def child(rank: int, port: int, quick: bool) -> None:
@@ -156,19 +163,20 @@ def main() -> None:
     ratios = []
     for name, (width, batch) in CASES.items():
         for r in sorted((r for r in results if r["case"] == name), key=lambda r: r["rank"]):
-            ratio = r["trainer"] / r["hand"]
+            ratio = r["trainer_total"] / r["hand_total"]
             ratios.append(ratio)
             print(
                 f"{name:<6} MLP 784-{width}-10 batch {batch}/rank  rank {r['rank']}  steps {r['steps']:<5} "
-                f"hand DDP {r['hand'] * 1e6:9.1f} us/step  trainfsm {r['trainer'] * 1e6:9.1f} us/step  "
-                f"ratio {ratio:.3f}"
+                f"total: hand DDP {r['hand_total']:7.3f} s  trainfsm {r['trainer_total']:7.3f} s  ratio {ratio:.3f}   "
+                f"(median step: {r['hand'] * 1e6:8.1f} / {r['trainer'] * 1e6:8.1f} us, "
+                f"ratio {r['trainer'] / r['hand']:.3f})"
             )
     if args.quick:
         print("quick run: too few steps for a verdict")
     else:
         worst = max(ratios)
         verdict = "met" if worst <= TARGET else "MISSED"
-        print(f"target: ratio <= {TARGET} on every rank and case ({verdict}, worst {worst:.3f})")
+        print(f"target: total-time ratio <= {TARGET} on every rank and case ({verdict}, worst {worst:.3f})")
 
 
 if __name__ == "__main__":
