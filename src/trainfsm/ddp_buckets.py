@@ -36,6 +36,7 @@ built, at RESTORE, where the checkpoint is read.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,20 @@ def ddp_of(model: nn.Module | None) -> Any:
 
     model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
     return model if isinstance(model, DistributedDataParallel) else None
+
+
+def ddps_of(model: nn.Module | None) -> list[tuple[str, Any]]:
+    """Every ``DistributedDataParallel`` in the model, by its module path ("" for the model itself):
+    a GAN's generator and discriminator may each be one."""
+    top = ddp_of(model)
+    if top is not None or model is None:
+        return [("", top)] if top is not None else []
+    found: list[tuple[str, Any]] = []
+    for name, module in getattr(model, "_orig_mod", model).named_modules():
+        ddp = ddp_of(module)
+        if ddp is not None and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, ddp))
+    return found
 
 
 def rebuilds(ddp: Any) -> bool:
@@ -129,6 +144,9 @@ class BucketOrder:
         self.synced = 0  # synchronised backwards DDP has run, capped at ``needed``
         self.order: list[int] | None = None  # the order DDP rebuilt (or will rebuild) from
         self.primed: dict[str, Any] | None = None  # what prime() did, until the check
+        # static_graph: the parameters its first backward did not reach. DDP treats them as unused
+        # from then on and puts them last in the order it rebuilds from; the zero passes skip them.
+        self.unused: list[int] | None = None
         self._report = report
         self._seen: list[int] = []
         self._handles: list[Any] = []
@@ -153,8 +171,10 @@ class BucketOrder:
         seen, self._seen = self._seen, []
         if self.synced < self.needed:
             self.synced += 1
+            if self.ddp.static_graph and self.synced == 1 and self.unused is None:
+                self.unused = sorted(set(range(len(self.params))) - set(seen))
             if self.synced == self.needed and self.order is None:
-                self.order = seen
+                self.order = seen + (self.unused or [])
                 self._report("recorded", {"fingerprint": self.fingerprint})
         if self.primed is not None:
             self._check(seen)
@@ -180,7 +200,7 @@ class BucketOrder:
             "passes": primed["passes"],
             "fingerprint": primed["fingerprint"],
             "rebuilt": rebuilt,
-            "same_order": (seen == self.order) if full else None,
+            "same_order": (seen + (self.unused or []) == self.order) if full else None,
             "exact": rebuilt == full,
         }
         self._report("checked", fields)
@@ -192,6 +212,7 @@ class BucketOrder:
             "order": self.order,
             "synced": self.synced,
             "static_graph": bool(self.ddp.static_graph),
+            "unused": self.unused,
             "params": len(self.params),
             "shapes": shapes_key(self.params),
             "fingerprint": fingerprint(self.order, self.params, self.ddp),
@@ -214,6 +235,8 @@ class BucketOrder:
         order = saved.get("order")
         if order is not None and sorted(order) != list(range(len(self.params))):
             return "the saved gradient order does not name each parameter once"
+        if order is not None and fingerprint(order, self.params, self.ddp) != saved.get("fingerprint"):
+            return "DDP's bucket size (bucket_cap_mb) changed since the checkpoint was saved: another layout"
         return None
 
     def prime(self, saved: dict[str, Any]) -> dict[str, Any]:
@@ -223,7 +246,9 @@ class BucketOrder:
         synced = min(int(saved.get("synced", 0)), self.needed)
         order = saved.get("order")
         passes = synced if order is not None else min(synced, self.needed - 1)
-        rounds = list(range(len(self.params))) if order is None else list(order)
+        unused = set(saved.get("unused") or []) if self.ddp.static_graph else set()
+        self.unused = sorted(unused) if synced else None
+        rounds = [i for i in (range(len(self.params)) if order is None else order) if i not in unused]
         grads = [p.grad for p in self.params]
         try:
             for number in range(passes):
@@ -252,9 +277,78 @@ class BucketOrder:
             reducer.prepare_for_backward([])
             for index in order:
                 param = params[index]
-                torch.autograd.backward(param.view(-1)[:1].sum() * 0)
+                torch.autograd.backward(param.reshape(-1)[:1].sum() * 0)  # reshape: channels_last
             if first_static:
                 reducer._delay_all_reduce()
                 self.ddp._static_graph_delay_allreduce_enqueued = True
         finally:
             self._listen()
+
+
+# ---------------------------------------------------------------- the trainer's side
+#: ``ddp_buckets`` event fields an action leaves unset.
+FIELDS = dict.fromkeys(("fingerprint", "passes", "rebuilt", "same_order", "exact", "reason"))
+
+
+def watch(model: nn.Module | None, world_size: int, events: Any) -> dict[str, BucketOrder]:
+    """BUILD: follow the order each DDP of the model will rebuild its buckets from (by module path),
+    with several ranks (with one, nothing is all-reduced). A DDP that never rebuilds
+    (``find_unused_parameters=True``) needs nothing."""
+    if world_size < 2:
+        return {}
+    return {name: BucketOrder(ddp, _reporter(events, name)) for name, ddp in ddps_of(model) if rebuilds(ddp)}
+
+
+def _reporter(events: Any, module: str) -> Callable[[str, dict[str, Any]], None]:
+    def report(action: str, fields: dict[str, Any]) -> None:
+        record = {**FIELDS, **fields, "action": action, "module": module}
+        if action != "checked" or (fields["exact"] and fields["same_order"] is not False):
+            events.info("ddp_buckets", **record)
+            return
+        events.warning("ddp_buckets", **record)
+        what = (
+            "DDP did not rebuild its buckets as primed"
+            if not fields["exact"]
+            else "the gradients became ready in another order than in the saved run (the model's graph changed)"
+        )
+        warnings.warn(
+            f"{what}: this resumed run may differ from an uninterrupted one in the last bits",
+            DDPBucketsWarning,
+            stacklevel=1,
+        )
+
+    return report
+
+
+def prime_all(orders: dict[str, BucketOrder], saved: dict[str, Any] | None, step: int, events: Any) -> None:
+    """RESTORE, on every rank at once (each pass all-reduces): give each resumed DDP the saved run's
+    layout, or say in the trail and in a warning why it cannot have it. Every input is the same on
+    every rank (rank 0's saved state, the same model, the same torch), so every rank decides alike."""
+    for module, order in orders.items():
+        if order.synced or order.primed is not None:
+            continue  # a DDP that has run already (a load during training): nothing to prime
+        mine = (saved or {}).get(module)
+        if mine is None and step == 0:
+            continue  # saved before any step: DDP had not rebuilt, nor will the resumed one yet
+        if mine is None:
+            reason: str | None = (
+                "the checkpoint holds no gradient order (saved on one rank, by trainloop or by an earlier trainfsm)"
+                if saved is None
+                else f"the saving run recorded no gradient order for the DDP at {module or 'the model'!r} (its DDP "
+                f"did not rebuild its buckets: find_unused_parameters=True; or the module moved)"
+            )
+        else:
+            reason = order.mismatch(mine) or unsupported(order.ddp)
+        if mine is None or reason is not None:
+            events.warning("ddp_buckets", **{**FIELDS, "action": "not_primed", "module": module, "reason": reason})
+            warnings.warn(
+                f"this resumed DDP run starts with DDP's first bucket layout, not the saved run's: {reason}. With more "
+                f"than two ranks it differs from an uninterrupted run in the last bits. For bit-exact resumes, "
+                f"{ADVICE}.",
+                DDPBucketsWarning,
+                stacklevel=1,
+            )
+            continue
+        fields = order.prime(mine)
+        if fields["passes"]:
+            events.info("ddp_buckets", **{**FIELDS, **fields, "action": "primed", "module": module})

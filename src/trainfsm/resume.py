@@ -7,7 +7,6 @@ and restored, which is where exact resume is won or lost: the random streams are
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from trainfsm import ddp_buckets, rng
@@ -47,9 +46,9 @@ def capture(trainer: BaseTrainer, options: Any, data: DataCursor, hooks: Hooks) 
         "step": trainer.step,
         "epoch": trainer.epoch,
     }
-    buckets = _buckets(trainer)
-    if buckets is not None:  # rank 0's is the one kept: DDP broadcasts rank 0's layout
-        state["ddp_buckets"] = buckets.state()
+    run = trainer._run
+    if run is not None and run.buckets:  # rank 0's is the one kept: DDP broadcasts rank 0's layout
+        state["ddp_buckets"] = {name: order.state() for name, order in run.buckets.items()}
     hooks.state_dict(state)
     # Last: the random streams as they stand once everything above ran.
     state["rank_state"] = {"rng": rng.capture(), "data": data.state(), "loss_none_skips": trainer.loss_none_skips}
@@ -78,70 +77,6 @@ def restore(
         rng.restore(mine["rng"])
     elif mine is not None:
         data.resume_later(data_resume, mine["data"], mine["rng"])
-    _prime_buckets(trainer, state.get("ddp_buckets"))
-
-
-#: ``ddp_buckets`` event fields an action leaves unset.
-_BUCKET_FIELDS = dict.fromkeys(("fingerprint", "passes", "rebuilt", "same_order", "exact", "reason"))
-
-
-def watch_ddp_buckets(trainer: BaseTrainer) -> ddp_buckets.BucketOrder | None:
-    """BUILD: follow the order DDP will rebuild its buckets from, when the model is a DDP that
-    rebuilds and there are several ranks (with one, nothing is all-reduced)."""
-    ddp = ddp_buckets.ddp_of(trainer.model)
-    if ddp is None or trainer.world_size < 2 or not ddp_buckets.rebuilds(ddp):
-        return None
-    events = trainer.events
-
-    def report(action: str, fields: dict[str, Any]) -> None:
-        record = {**_BUCKET_FIELDS, **fields}
-        if action == "checked" and not (fields["exact"] and fields["same_order"] is not False):
-            events.warning("ddp_buckets", action=action, **record)
-            what = (
-                "DDP did not rebuild its buckets as primed"
-                if not fields["exact"]
-                else (
-                    "the gradients became ready in another order than when the checkpoint was saved (the model's "
-                    "graph changed)"
-                )
-            )
-            warnings.warn(
-                f"{what}: this resumed run may differ from an uninterrupted one in the last bits",
-                ddp_buckets.DDPBucketsWarning,
-                stacklevel=1,
-            )
-        else:
-            events.info("ddp_buckets", action=action, **record)
-
-    return ddp_buckets.BucketOrder(ddp, report)
-
-
-def _buckets(trainer: BaseTrainer) -> ddp_buckets.BucketOrder | None:
     run = trainer._run
-    return run.buckets if run is not None else None
-
-
-def _prime_buckets(trainer: BaseTrainer, saved: dict[str, Any] | None) -> None:
-    """RESTORE, on every rank at once: give the resumed DDP the saved run's bucket layout."""
-    buckets = _buckets(trainer)
-    if buckets is None or buckets.synced or buckets.primed is not None:
-        return  # no DDP to prime, or one that has run already (a load during training)
-    if saved is None and trainer.step == 0:
-        return  # saved before any step: DDP had not rebuilt, nor will the resumed one yet
-    if saved is None:
-        reason: str | None = "the checkpoint holds no gradient order (written by trainloop or an earlier trainfsm)"
-    else:
-        reason = buckets.mismatch(saved) or ddp_buckets.unsupported(buckets.ddp)
-    if saved is None or reason is not None:
-        trainer.events.warning("ddp_buckets", **{**_BUCKET_FIELDS, "action": "not_primed", "reason": reason})
-        warnings.warn(
-            f"this resumed DDP run starts with DDP's first bucket layout, not the saved run's: {reason}. With more "
-            f"than two ranks it differs from an uninterrupted run in the last bits. For bit-exact resumes, "
-            f"{ddp_buckets.ADVICE}.",
-            ddp_buckets.DDPBucketsWarning,
-            stacklevel=1,
-        )
-        return
-    fields = buckets.prime(saved)
-    if fields["passes"]:
-        trainer.events.info("ddp_buckets", **{**_BUCKET_FIELDS, "action": "primed", **fields})
+    if run is not None and run.buckets:  # RESTORE, every rank at once: DDP gets the saved layout
+        ddp_buckets.prime_all(run.buckets, state.get("ddp_buckets"), trainer.step, trainer.events)

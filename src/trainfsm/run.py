@@ -212,7 +212,7 @@ class Run:
     warn_loss_none: bool = False  # the model is a DDP/FSDP wrapper
     triggers: dict[str, Callable[[], bool]] = field(default_factory=dict)  # name -> the compiled trigger
     watchdog: Watchdog | None = None  # the stall watchdog (stall_timeout), stopped just before the exit event
-    buckets: BucketOrder | None = None  # a DDP model's gradient order (trainfsm.ddp_buckets), several ranks
+    buckets: dict[str, BucketOrder] = field(default_factory=dict)  # each DDP's gradient order (trainfsm.ddp_buckets)
     # The step in flight (reset as it begins; a retry resets micro, losses and records).
     micro: int = 0
     retries: int = 0

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from trainfsm import ddp_buckets, resume
 from trainfsm import machine as fsm
 from trainfsm import options as check
-from trainfsm import resume
 from trainfsm.collectives import LossNoneAgreement, LossNoneWarning, loss_none_ranks
 from trainfsm.data_state import EXHAUSTED, DataCursor
 from trainfsm.hooks.base import BaseHook
@@ -351,7 +351,7 @@ class BaseTrainer(fsm.Triggers):
             check.built("build_hooks", hook, BaseHook)
         self._data.attach(self.data_loader, self.max_epochs, self.events)
         run.warn_loss_none = is_distributed_wrapper(self.model)
-        run.buckets = resume.watch_ddp_buckets(self)
+        run.buckets = ddp_buckets.watch(self.model, self.world_size, self.events)
         run.stepper = Stepper.for_trainer(self, run.agreement)
         self.exit_policy = run.preemption.decide(self.hooks, run.agreement)
         run.bind_hooks(self, self.hooks, self._finish_exit)

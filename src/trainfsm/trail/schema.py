@@ -53,7 +53,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     ),
     "checkpoint_loaded": ("path", "from_step", "sharded", "format", "checksum"),
     "checkpoint_not_loaded": ("reason",),
-    "ddp_buckets": ("action", "fingerprint", "passes", "rebuilt", "same_order", "exact", "reason"),
+    "ddp_buckets": ("action", "module", "fingerprint", "passes", "rebuilt", "same_order", "exact", "reason"),
     "checkpoint_skipped": ("path", "reason"),
     "checkpoint_foreign": ("found",),
     "checkpoint_not_newest": ("path", "from_step", "newest", "newest_step"),
@@ -202,7 +202,8 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "`fingerprint`, at its first forward), `checked` (after the first real backward that followed: "
         "`rebuilt` as it had to, `same_order`: the gradients became ready in the saved order, `exact`), or "
         "`not_primed` (`reason`: the model changed, or torch lacks what priming needs; the resume is not "
-        "bit-exact with more than two ranks). Fields an action does not set are null",
+        'bit-exact with more than two ranks). `module`: the DDP\'s path in the model (`""`: the model itself). '
+        "Fields an action does not set are null",
         "a DDP model with several ranks: once per attempt (`recorded` or `primed` then `checked`), from "
         "`trainfsm.ddp_buckets`",
     ),
