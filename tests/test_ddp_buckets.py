@@ -101,6 +101,28 @@ def test_the_trail_says_the_order_was_recorded_then_primed_and_checked(fast: tup
     assert audit_problems(out / "default" / "resumed") == []
 
 
+def test_the_audit_notes_an_attempt_whose_check_failed(fast: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
+    """A real trail with its ``checked`` events turned false (what a torch whose reducer ignored the
+    zero pass would write): the audit says the attempt may not be bit-exact."""
+    import json
+    import shutil
+
+    from trainfsm.tools import audit
+
+    out, _ = fast
+    copy = tmp_path / "resumed"
+    shutil.copytree(out / "default" / "resumed" / "logs", copy / "logs")
+    for path in (copy / "logs").glob("events.rank*.jsonl"):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        for line in lines:
+            if line["event"] == "ddp_buckets" and line["action"] == "checked":
+                line.update(exact=False, rebuilt=False)
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text = audit.render(audit.audit([copy]))
+    assert "attempt 1: DDP's bucket layout may differ from the saved run's (DDP did not rebuild its buckets" in text
+    assert "attempt 0: DDP" not in text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["after_one_step", "wrap_model", "no_sync", "static_graph", "gradient_as_bucket_view"])
 def test_every_ddp_configuration_resumes_bit_exact(slow: tuple[Path, list[dict[str, Any]]], case: str) -> None:
@@ -129,12 +151,14 @@ def test_a_model_whose_trainable_parameters_changed_is_not_primed_and_says_so(
             "the model's parameters changed since the checkpoint was saved (8 parameter tensors then, 6 now" in message
         )
         assert "find_unused_parameters=True" in message
-        [event] = [
+        # Not primed, then the order this attempt's own DDP rebuilt from, for a later resume.
+        not_primed, recorded = [
             e
             for e in events(out / "model_changed" / "resumed", rank)
             if e["event"] == "ddp_buckets" and e["attempt"] == 1
         ]
-        assert event["action"] == "not_primed" and "parameters changed" in event["reason"]
+        assert not_primed["action"] == "not_primed" and "parameters changed" in not_primed["reason"]
+        assert recorded["action"] == "recorded" and recorded["fingerprint"]
     text = audit.render(audit.audit([out / "model_changed" / "resumed"]))
     assert "attempt 1: DDP's bucket layout may differ from the saved run's (not primed: the model's parameters" in text
 
