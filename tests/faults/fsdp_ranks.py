@@ -149,19 +149,21 @@ def sum_first_step_backwards(groups: int) -> None:
     original = comm.__call__
     left = [groups]
 
-    def backwards(self: Any, output: Any, input: Any, group: Any, op: Any, async_op: bool = False) -> Any:
+    def backwards(
+        self: Any, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False
+    ) -> Any:  # FSDP2 passes these by name
         if left[0] == 0:
-            return original(self, output, input, group, op, async_op)
+            return original(self, output_tensor, input_tensor, group, op, async_op)
         left[0] -= 1
-        world, me, n = group.size(), group.rank(), output.numel()
-        parts = [torch.empty_like(input) for _ in range(world)]
-        dist.all_gather(parts, input.contiguous(), group=group)
+        world, me, n = group.size(), group.rank(), output_tensor.numel()
+        parts = [torch.empty_like(input_tensor) for _ in range(world)]
+        dist.all_gather(parts, input_tensor.contiguous(), group=group)
         mine = [part.view(-1)[me * n : (me + 1) * n] for part in parts]
         total = mine[-1].clone()
         for part in reversed(mine[:-1]):
             total += part
-        output.view(-1).copy_(total / world)  # FSDP2 averages (ReduceOp.AVG) in float32
-        return original(self, output.clone(), input, group, op, async_op)  # a real Work for FSDP2 to wait on
+        output_tensor.view(-1).copy_(total / world)  # FSDP2 averages (ReduceOp.AVG) in float32
+        return original(self, output_tensor.clone(), input_tensor, group, op, async_op)  # a Work to wait on
 
     comm.__call__ = backwards  # type: ignore[method-assign,assignment]
 
