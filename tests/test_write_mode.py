@@ -229,6 +229,25 @@ def test_without_a_recheck_due_a_save_measures_nothing(tmp_path: Path, monkeypat
     assert asked == [tmp_path / "a"]
 
 
+def test_a_rank_listing_while_rank_0_removes_its_measurement_root_finds_no_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 makes the checkpoint root to measure the disk in RESTORE and removes it again while it
+    is empty; another rank lists it at the same time (restore's ``candidates()``, on every rank).
+    Seen in a fresh four-rank launch: FileNotFoundError on rank 1, and the launch failed."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    listing = Path.iterdir
+
+    def removed_meanwhile(self: Path) -> Iterator[Path]:
+        if self == root:
+            root.rmdir()  # rank 0's prepare(), between the listing rank's look and its listing
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", removed_meanwhile)
+    assert CheckpointStore(root).checkpoints() == []
+
+
 def test_measure_writes_through_the_stores_writer_and_leaves_nothing(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, direct_io=False)
     store.prepare()

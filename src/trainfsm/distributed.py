@@ -189,15 +189,16 @@ def _launcher_store(layout: DistEnv, timeout: timedelta) -> Any:
 
 
 def cleanup_distributed() -> None:
-    """Destroy the default process group if there is one.
+    """Destroy the default process group if there is one, and let its threads end now.
 
     A DDP model (its reducer) keeps the group alive after ``destroy_process_group``; if it is only
-    collected during interpreter shutdown, gloo's threads end there and may abort the process
-    (exit -6 after a clean run). So drop your references to the trainer and the wrapped model
-    before calling this; the ``gc.collect()`` here frees what only reference cycles still hold.
-    After FSDP2 (``fully_shard``) torch's device meshes still hold the destroyed group, and DTensor's
-    sharding cache holds the meshes until interpreter shutdown: ``release_destroyed_groups`` drops
-    it from them (see ``trainfsm.torch_workarounds``), so gloo's threads end here too.
+    collected during interpreter shutdown, or never, gloo's threads run into shutdown and may abort
+    the process (exit -6 after a clean run). After FSDP2 (``fully_shard``) torch's device meshes
+    hold the destroyed group the same way, and DTensor's sharding cache holds the meshes until
+    interpreter shutdown. ``release_destroyed_groups`` drops the destroyed group from every live
+    DDP model and mesh (see ``trainfsm.torch_workarounds``), so gloo's threads end here even while
+    you still hold the trainer; the ``gc.collect()`` first frees what only reference cycles held.
+    A DDP model cannot all-reduce after this; its parameters and ``state_dict()`` stay.
     """
     if dist.is_available() and dist.is_initialized():
         gc.collect()

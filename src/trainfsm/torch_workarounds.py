@@ -38,6 +38,29 @@ called after ``destroy_process_group()``, drops such groups from every mesh: the
 goes, and gloo's threads end then, on the calling thread. Checked by ``tests/test_fsdp_teardown.py``,
 which also shows when torch stops holding the group (then this can go).
 
+**A destroyed group that a DDP model still holds.** ``DistributedDataParallel`` holds its group in
+``process_group`` and in its C++ reducer (and the reducer's logger), so a script that calls
+``destroy_process_group()`` (or ``cleanup_distributed()``) while it still refers to the trainer or
+the wrapped model frees no group: gloo's threads run on into interpreter shutdown, and the group
+goes only when shutdown collects the model, or never. A gloo thread still busy with a collective
+then releases the work item's tensors while the interpreter is finalizing; their Python objects
+need the GIL (``ProcessGroupGloo::runLoop`` -> ``~AsyncWork`` -> ``decref_pyobject`` ->
+``take_gil``), the finalizing interpreter ends the thread, and C++ aborts the process: 134/-6
+after a completed run, "terminate called without an active exception" (the stack of the core of
+such a process; a group alive at exit with an ``all_reduce(async_op=True)`` in flight aborted 5
+launches of 5 here; after a trainer's run the last collective is rarely that late, so it is rare,
+more so under CPU load). ``release_destroyed_groups()`` drops the destroyed group from every live
+DDP model too: its reducer and logger first, then ``process_group``, so the group's last reference
+goes from its Python object, whose destructor releases the GIL while it joins gloo's threads. The
+model can no longer all-reduce (it could not without its group either); its parameters,
+``module`` and ``state_dict()`` stay. ``release_groups_at_exit()`` (the trainer calls it in BUILD
+when a process group exists) runs it once more at the interpreter's exit, while every thread can
+still take the GIL, and then collects the garbage (the trainer of a ``main()`` that returned): so
+a script that ends with a plain ``destroy_process_group()`` and keeps its trainer has no gloo
+thread left at shutdown. A group never destroyed is left alone (destroying it is the script's
+call; with NCCL it can block). Checked by ``tests/test_exit_teardown.py``, which also shows when
+torch stops holding the group (then this can go).
+
 **A zero-gradient optimizer step at every save.** ``get_state_dict`` (torch 2.13) first makes sure
 the optimizer has state: when it has none and no parameter holds a gradient, it gives every
 parameter a zero gradient and runs ``optimizer.step()`` at a learning rate of 0. An optimizer that
@@ -55,6 +78,7 @@ the options say so) and ``load_model_and_optimizer`` loads the groups without a 
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import sys
@@ -67,6 +91,10 @@ from trainfsm.plain_state import plain_state_dicts
 
 COLLECTIVES_MODULE = "torch.distributed.nn.functional"
 DEVICE_MESH_MODULE = "torch.distributed.device_mesh"
+DDP_MODULE = "torch.nn.parallel.distributed"
+#: What a DDP model holds its group by, dropped in this order: the group's last reference goes from its
+#: Python object, whose destructor releases the GIL (see the module doc).
+DDP_GROUP_HOLDERS = ("reducer", "logger", "process_group")
 
 
 GROUP_KEPT_ALIVE = (
@@ -180,26 +208,56 @@ def warn_if_group_kept_alive(log: Any) -> None:
 
 
 def release_destroyed_groups() -> int:
-    """Drop the process groups that ``destroy_process_group()`` has destroyed from every live
-    ``DeviceMesh`` (see the module doc); how many references were dropped. Call it after
+    """Drop the process groups that ``destroy_process_group()`` has destroyed from what would keep
+    them alive into interpreter shutdown (see the module doc): every live ``DeviceMesh`` and every
+    live ``DistributedDataParallel``. How many references were dropped. Call it after
     ``destroy_process_group()``. Costs one pass over the objects the garbage collector tracks
     (about 0.1 s for 300,000, a small FSDP2 run here)."""
-    module = sys.modules.get(DEVICE_MESH_MODULE)
-    mesh_type = getattr(module, "DeviceMesh", None)
-    if not dist.is_available() or mesh_type is None:
-        return 0  # no mesh was ever made in this process
+    mesh_type = getattr(sys.modules.get(DEVICE_MESH_MODULE), "DeviceMesh", None)
+    ddp_type = getattr(sys.modules.get(DDP_MODULE), "DistributedDataParallel", None)
+    if not dist.is_available() or (mesh_type is None and ddp_type is None):
+        return 0  # no mesh and no DDP model was ever made in this process
     from torch.distributed import distributed_c10d
 
     live = {id(group) for group in distributed_c10d._world.pg_map}  # every group not destroyed yet
     dropped = 0
     for obj in gc.get_objects():
         # The MRO, not isinstance: DeviceMesh's metaclass runs Python code for every isinstance.
-        if mesh_type not in type(obj).__mro__:
-            continue
-        registry = getattr(obj, "_pg_registry", None)
-        if isinstance(registry, dict):
-            for name, group in list(registry.items()):
-                if id(group) not in live:
-                    del registry[name]
-                    dropped += 1
+        mro = type(obj).__mro__
+        if mesh_type is not None and mesh_type in mro:
+            registry = getattr(obj, "_pg_registry", None)
+            if isinstance(registry, dict):
+                for name, group in list(registry.items()):
+                    if id(group) not in live:
+                        del registry[name]
+                        dropped += 1
+        elif ddp_type is not None and ddp_type in mro:
+            attributes = vars(obj)  # nn.Module keeps these plain attributes in its __dict__
+            group = attributes.get("process_group")
+            if group is not None and id(group) not in live:
+                for name in DDP_GROUP_HOLDERS:
+                    dropped += attributes.pop(name, None) is not None
     return dropped
+
+
+_released_at_exit = False
+
+
+def release_groups_at_exit() -> None:
+    """Once per process: at the interpreter's exit (``atexit``, while every thread can still take
+    the GIL), ``release_destroyed_groups()`` and collect the garbage, so that gloo's threads of a
+    group the script destroyed end before shutdown even where the script still holds its trainer
+    or model (see the module doc). The trainer's BUILD calls it when a process group exists."""
+    global _released_at_exit
+    if _released_at_exit or not (dist.is_available() and dist.is_initialized()):
+        return
+    _released_at_exit = True
+    atexit.register(_release_at_exit)
+
+
+def _release_at_exit() -> None:
+    # Before collecting: gc.get_objects() sees the unreachable models too, and dropping a group
+    # from Python releases the GIL while gloo's threads are joined; a collection that freed a
+    # reducer holding a group's last reference would join them with the GIL held.
+    release_destroyed_groups()
+    gc.collect()

@@ -33,7 +33,11 @@ from trainfsm.preemption.policy import ExitPolicy, Preemption, exit_policy
 from trainfsm.run import Hooks, Run, open_trail
 from trainfsm.step import Stepper, retries_used_up
 from trainfsm.step_info import StepInfo
-from trainfsm.torch_workarounds import import_collectives_before_any_group, warn_if_group_kept_alive
+from trainfsm.torch_workarounds import (
+    import_collectives_before_any_group,
+    release_groups_at_exit,
+    warn_if_group_kept_alive,
+)
 from trainfsm.utils import is_distributed_wrapper, unwrap
 from trainfsm.watchdog import Watchdog
 
@@ -344,6 +348,7 @@ class BaseTrainer(fsm.Triggers):
         self.model = check.built("build_model", self.build_model(), nn.Module)
         self.optimizer = check.built("build_optimizer", self.build_optimizer(), torch.optim.Optimizer)
         warn_if_group_kept_alive(self.events)  # checked here: building the first optimizer may import it
+        release_groups_at_exit()  # a group the script destroys while it keeps the model: gone before shutdown
         self.lr_scheduler = self.build_lr_scheduler()
         self.grad_scaler = check.built("build_grad_scaler", self.build_grad_scaler(), torch.amp.GradScaler)
         self.hooks = list(check.built("build_hooks", self.build_hooks(), (list, tuple)))

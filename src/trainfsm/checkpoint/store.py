@@ -532,10 +532,14 @@ class CheckpointStore:
     # ------------------------------------------------------------------ listing
     def checkpoints(self) -> list[Checkpoint]:
         """Every step directory, whoever wrote it (``written_by``), oldest first."""
-        if not self.root.is_dir():
+        try:
+            entries = list(self.root.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            # None yet; or, on a rank other than 0, the empty root that rank 0 made to measure the
+            # disk in RESTORE (prepare) and removed again between a check and this listing.
             return []
         found = []
-        for entry in self.root.iterdir():
+        for entry in entries:
             parsed = parse_step(entry.name)
             if parsed is not None and entry.is_dir() and not entry.is_symlink():
                 found.append(Checkpoint(parsed[0], entry, parsed[1], _writer(entry)))
