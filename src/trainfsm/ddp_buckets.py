@@ -117,11 +117,12 @@ def fingerprint(order: list[int] | None, params: list[nn.Parameter], ddp: Any) -
 def unsupported(ddp: Any) -> str | None:
     """The private torch API ``prime`` needs that this torch lacks, or None when all is there."""
     reducer = getattr(ddp, "reducer", None)
-    needs = [(reducer, "prepare_for_forward"), (reducer, "prepare_for_backward"), (ddp, "_has_rebuilt_buckets")]
+    needs = [(reducer, "Reducer.prepare_for_forward"), (reducer, "Reducer.prepare_for_backward")]
+    needs.append((ddp, "DistributedDataParallel._has_rebuilt_buckets"))
     if ddp.static_graph:
-        needs += [(reducer, "_delay_all_reduce"), (ddp, "_static_graph_delay_allreduce_enqueued")]
-    missing = [f"{'DistributedDataParallel' if owner is ddp else 'Reducer'}.{name}" for owner, name in needs]
-    missing = [text for (owner, name), text in zip(needs, missing, strict=True) if not hasattr(owner, name)]
+        needs.append((reducer, "Reducer._delay_all_reduce"))
+        needs.append((ddp, "DistributedDataParallel._static_graph_delay_allreduce_enqueued"))
+    missing = [name for owner, name in needs if not hasattr(owner, name.rsplit(".", 1)[1])]
     if missing:
         return f"torch {torch.__version__} has no {', '.join(missing)}"
     if any(getattr(module, "sparse", False) is True for module in ddp.module.modules()):
@@ -175,7 +176,7 @@ class BucketOrder:
                 self.unused = sorted(set(range(len(self.params))) - set(seen))
             if self.synced == self.needed and self.order is None:
                 self.order = seen + (self.unused or [])
-                self._report("recorded", {"fingerprint": self.fingerprint})
+                self._report("recorded", {"fingerprint": self.layout})
         if self.primed is not None:
             self._check(seen)
         if self.synced >= self.needed and self.primed is None:
@@ -215,11 +216,12 @@ class BucketOrder:
             "unused": self.unused,
             "params": len(self.params),
             "shapes": shapes_key(self.params),
-            "fingerprint": fingerprint(self.order, self.params, self.ddp),
+            "fingerprint": self.layout,
         }
 
     @property
-    def fingerprint(self) -> str | None:
+    def layout(self) -> str | None:
+        """The fingerprint of the layout DDP rebuilt (or will rebuild) from ``order``."""
         return fingerprint(self.order, self.params, self.ddp)
 
     # ------------------------------------------------------------ resuming
@@ -303,7 +305,7 @@ def _reporter(events: Any, module: str) -> Callable[[str, dict[str, Any]], None]
     def report(action: str, fields: dict[str, Any]) -> None:
         record = {**FIELDS, **fields, "action": action, "module": module}
         if action != "checked" or (fields["exact"] and fields["same_order"] is not False):
-            events.info("ddp_buckets", **record)
+            events.debug("ddp_buckets", **record)  # routine: the trail's, not the console's
             return
         events.warning("ddp_buckets", **record)
         what = (

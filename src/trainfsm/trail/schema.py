@@ -205,7 +205,8 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         'bit-exact with more than two ranks). `module`: the DDP\'s path in the model (`""`: the model itself). '
         "Fields an action does not set are null",
         "a DDP model with several ranks: once per attempt (`recorded` or `primed` then `checked`), from "
-        "`trainfsm.ddp_buckets`",
+        "`trainfsm.ddp_buckets`; `recorded` and a `checked` that found nothing wrong are DEBUG (the trail only), "
+        "a failed `checked` and `not_primed` are warnings",
     ),
     "checkpoint_not_loaded": (
         "`reason` (`load=None`)",
