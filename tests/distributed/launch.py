@@ -148,6 +148,35 @@ def run_worker(
         return started.wait(timeout, ranks)
 
 
+def torchrun_argv() -> list[str]:
+    """torchrun as a user runs it: the console script beside this interpreter, else the module."""
+    launcher = Path(sys.executable).with_name("torchrun")
+    return [str(launcher)] if launcher.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def start_logged(
+    command: Sequence[str], log: Path, cwd: Path = ROOT, preexec_fn: Callable[[], None] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` (torchrun and its workers) in a session of its own, its output appended to
+    ``log`` (a file: nobody reads a pipe while a test waits), with no SLURM or torchelastic variables
+    inherited, one OpenMP thread, and this repository importable. Reap it with
+    ``tests.faults.elastic_restart.reap`` (its workers run in sessions of their own)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            list(command),
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
+
+
 def run_command(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
     """Run ``argv`` (e.g. torchrun and its workers) in its own process group; (exit code, output).
     At the deadline the whole group is killed and the code is None."""

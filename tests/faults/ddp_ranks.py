@@ -31,8 +31,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.distributed.launch import ROOT, audit_problems, events, free_port
-from tests.faults.elastic_restart import workers
+from tests.distributed.launch import ROOT, audit_problems, events, free_port, start_logged, torchrun_argv
+from tests.faults.elastic_restart import reap, workers
 
 EXAMPLE = ROOT / "examples" / "ddp.py"
 STEPS, INTERVAL, STEP_SECONDS = 30, 5, 0.03
@@ -42,32 +42,21 @@ LAUNCH_TIMEOUT = 240.0
 
 
 def launch(workspace: Path, log: Path, ranks: int) -> subprocess.Popen[bytes]:
-    launcher = Path(sys.executable).with_name("torchrun")
-    command = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    command += ["--rdzv-backend", "static", "--master-port", str(free_port()), "--nproc-per-node", str(ranks)]
-    command += [f"--signals-to-handle={FORWARDED}", str(EXAMPLE), "--workspace", str(workspace)]
-    command += ["--steps", str(STEPS), "--interval", str(INTERVAL), "--step-seconds", str(STEP_SECONDS)]
-    command += ["--timeout", "30", "--stall-timeout", "none", "--hidden", "768", "3"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:  # a file: nobody reads a pipe while the trial waits
-        return subprocess.Popen(
-            command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-
-
-def reap(process: subprocess.Popen[bytes], known: set[int]) -> None:
-    """Kill torchrun and every worker it started (workers run in sessions of their own)."""
-    if process.poll() is None:
-        known.update(workers(process.pid))
-    for pid in {process.pid, *known}:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=30)
+    command = [*torchrun_argv(), "--rdzv-backend", "static", "--master-port", str(free_port())]
+    command += ["--nproc-per-node", str(ranks), f"--signals-to-handle={FORWARDED}", str(EXAMPLE)]
+    command += ["--workspace", str(workspace), "--steps", str(STEPS), "--interval", str(INTERVAL)]
+    command += [
+        "--step-seconds",
+        str(STEP_SECONDS),
+        "--timeout",
+        "30",
+        "--stall-timeout",
+        "none",
+        "--hidden",
+        "768",
+        "3",
+    ]
+    return start_logged(command, log)
 
 
 def finish(workspace: Path, log: Path, ranks: int) -> int | None:

@@ -42,7 +42,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.distributed.launch import ROOT, events, free_port
+from tests.distributed.launch import ROOT, events, free_port, start_logged, torchrun_argv
 from tests.faults.elastic_restart import reap
 from tests.faults.fsdp_teardown import cpu_load
 
@@ -70,30 +70,17 @@ class Setup:
 
 
 def torchrun(workspace: Path, log: Path, steps: int, interval: int, setup: Setup) -> subprocess.Popen[bytes]:
-    launcher = Path(sys.executable).with_name("torchrun")
-    command = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    command += ["--rdzv-backend", "static", "--master-port", str(free_port()), "--nproc-per-node", str(NPROC)]
-    command += ["--monitor-interval", "0.1"]
+    command = [*torchrun_argv(), "--rdzv-backend", "static", "--master-port", str(free_port())]
+    command += ["--nproc-per-node", str(NPROC), "--monitor-interval", "0.1"]
     command += [str(HERE), "--child", str(setup.example)] if setup.watch else [str(setup.example)]
     command += ["--workspace", str(workspace), "--steps", str(steps), "--interval", str(interval)]
     command += ["--timeout", "60", *setup.extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env["OMP_NUM_THREADS"] = "1"
 
     def unlimited_core() -> None:
         resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
-    with open(log, "ab") as out:  # a file: nobody reads a pipe while the trial waits
-        return subprocess.Popen(
-            command,
-            cwd=log.parent,  # where a worker's core goes (kernel.core_pattern "core")
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=unlimited_core if setup.cores else None,
-        )
+    # cwd: where a worker's core goes (kernel.core_pattern "core")
+    return start_logged(command, log, cwd=log.parent, preexec_fn=unlimited_core if setup.cores else None)
 
 
 def failures(text: str) -> dict[int, tuple[int, int]]:

@@ -48,8 +48,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.distributed.launch import ROOT, events, free_port
-from tests.faults.elastic_restart import workers
+from tests.distributed.launch import ROOT, events, free_port, start_logged, torchrun_argv
+from tests.faults.elastic_restart import reap, workers
 from tests.helpers import ledger_problem
 
 HERE = Path(__file__).resolve()
@@ -170,32 +170,10 @@ def sum_first_step_backwards(groups: int) -> None:
 
 # ---------------------------------------------------------------- launching
 def torchrun(workspace: Path, log: Path, job: Job, *extra: str) -> Any:
-    launcher = Path(sys.executable).with_name("torchrun")
-    command = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    command += ["--rdzv-backend", "static", "--master-port", str(free_port()), "--nproc-per-node", str(job.ranks)]
-    command += ["--monitor-interval", "0.1", "--signals-to-handle", FORWARDED]
+    command = [*torchrun_argv(), "--rdzv-backend", "static", "--master-port", str(free_port())]
+    command += ["--nproc-per-node", str(job.ranks), "--monitor-interval", "0.1", "--signals-to-handle", FORWARDED]
     command += [str(HERE), "--child", "--workspace", str(workspace), *job.args(), *extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    with open(log, "ab") as out:  # a file, not a pipe nobody reads
-        return subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # workers run in sessions of their own too: reap() ends each
-        )
-
-
-def reap(process: Any, known: set[int]) -> None:
-    """Kill torchrun and its workers: those alive now and the ``known`` ones (once torchrun is
-    gone its workers are nobody's children, and they may outlive it)."""
-    for pid in {process.pid, *workers(process.pid), *known}:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    process.wait(timeout=30)
+    return start_logged(command, log)
 
 
 def finish(process: Any, known: set[int], timeout: float) -> int | None:

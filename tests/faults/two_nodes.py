@@ -49,7 +49,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.distributed.launch import ROOT, alive, events, free_port
+from tests.distributed.launch import ROOT, alive, events, free_port, start_logged, torchrun_argv
 from tests.faults.elastic_restart import workers as children
 from tests.helpers import ledger_problem
 
@@ -119,16 +119,12 @@ def launch(
     forward: bool = False,
 ) -> Agents:
     steps, interval, seconds = PACES[pace]
-    launcher = Path(sys.executable).with_name("torchrun")
-    base = [str(launcher)] if launcher.exists() else [sys.executable, "-m", "torch.distributed.run"]
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     agents = Agents(workspace, directory)
     directory.mkdir(parents=True, exist_ok=True)
     for node, host in enumerate(("true", "false")):
         command = [
-            *base,
+            *torchrun_argv(),
             f"--nnodes={nnodes}",
             f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d",
@@ -150,18 +146,7 @@ def launch(
             "--timeout",
             str(GROUP_TIMEOUT),
         ]
-        with open(agents.log(node), "ab") as out:  # a file, not a pipe nobody reads
-            agents.procs.append(
-                subprocess.Popen(
-                    command,
-                    cwd=ROOT,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+        agents.procs.append(start_logged(command, agents.log(node)))
         if node == 0:
             time.sleep(0.3)  # the store's host first, as on a cluster where the head node starts it
     return agents
