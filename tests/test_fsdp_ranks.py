@@ -37,12 +37,13 @@ FOUR = fsdp_ranks.Job(ranks=4, steps=12, interval=3, step_seconds=0.02)
 THREE = dataclasses.replace(FOUR, ranks=3)
 
 
+@pytest.mark.slow  # FSDP2 needed no change to be exact; the fast tier's multi-rank trial is DDP's (test_ddp_buckets.py)
 def test_four_fsdp2_ranks_stopped_by_sigusr1_at_torchrun_resume_bit_exact(tmp_path: Path) -> None:
     outcome = fsdp_ranks.trial(tmp_path, None, FOUR, "signal", random.Random(48), 0)
     assert not outcome.problem, outcome.line(0)
 
 
-@pytest.mark.slow  # the fast tier's is the four-rank one above
+@pytest.mark.slow
 def test_three_fsdp2_ranks_stopped_by_sigusr1_at_torchrun_resume_bit_exact(tmp_path: Path) -> None:
     outcome = fsdp_ranks.trial(tmp_path, None, THREE, "signal", random.Random(49), 0)
     assert not outcome.problem, outcome.line(0)
