@@ -246,13 +246,14 @@ def ignored_here(*also: signal.Signals) -> list[str]:
 
 def ledger_problem(workspace: Path) -> str:
     """The data ledger's verdict on a fault trial's trail (``trainfsm.tools.ledger``): "" when
-    every batch was drawn once across all attempts, on every rank; else what broke."""
+    every micro-batch was kept once across all attempts, on every rank; else what broke."""
     from trainfsm.tools import audit
+    from trainfsm.tools.ledger import proven
 
     report = audit.audit([workspace])
     breaks = [p.message for p in report.run_problems if p.kind == "ledger"]
     if breaks:
         return f"data ledger: {breaks[0]}"
-    if not report.ledger or not all(line.endswith(": each batch drawn once") for line in report.ledger):
+    if not report.ledger or not all(proven(line) for line in report.ledger):
         return f"data ledger: {report.ledger}"
     return ""

@@ -2,14 +2,21 @@
 attempt (a launch that kills itself runs in its own process, the others may run in the test's);
 breaks of exactly-once data are planted on purpose.
 
-    python tests/faults/ledger_breaks.py WORKSPACE --steps 12 --interval 4 [--kill-at 10]
-        [--plant other-position:4] [--loader stateful|skipping] [--load none]
+    python tests/faults/ledger_breaks.py WORKSPACE --steps 12 --interval 4 [--kill-at 10 | --signal-at 3]
+        [--plant other-position:4] [--loader stateful|skipping|forgetful] [--load none]
+        [--loss-none-at 6] [--non-finite-at 7]
 
 ``--kill-at S``: the first launch SIGKILLs itself in step S's forward (a node lost).
+``--signal-at S``: the first launch sends itself SIGUSR1 as step S begins: it saves at the end of
+step S and exits 138 (preempted: the normal requeue path, no kill).
 ``--plant other-position:K``: the resume restores the data position of checkpoint K instead of
 the one it loads (a user's ``load_state_dict`` that mixes up two checkpoints).
 ``--loader skipping``: a loader with its own ``state_dict`` whose ``load_state_dict`` lands one
-batch past the saved position, while saying it resumed there (``stateful``: the same, correct).
+batch past the saved position, while saying it resumed there (``stateful``: the same, correct;
+``forgetful``: its ``load_state_dict`` does nothing, so it starts the epoch again).
+``--loss-none-at S``: step S's first forward returns ``loss=None`` (that micro-batch is drawn, not
+trained). ``--non-finite-at S``: step S's first try has a non-finite loss (with one retry allowed:
+its micro-batch is drawn, not trained, and the step runs again on the next).
 ``--load none``: ``CheckpointingHook(load=None)``, a fresh start on purpose.
 """
 
@@ -45,8 +52,8 @@ class StatefulLoader:
     """Batches 0..BATCHES-1 per epoch, with its own position (``state_dict``): trainfsm resumes
     it by ``load_state_dict`` (``data_resume="state"``). ``skip``: one batch too far on load."""
 
-    def __init__(self, skip: bool) -> None:
-        self.skip = skip
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
         self.position = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -59,18 +66,20 @@ class StatefulLoader:
         return {"position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.position = state["position"] + (1 if self.skip else 0)
+        if self.kind != "forgetful":
+            self.position = state["position"] + (1 if self.kind == "skipping" else 0)
 
 
 class Trainer(BaseTrainer):
     def __init__(self, args: argparse.Namespace, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.args = args
+        self.tried: set[int] = set()  # steps whose first forward ran
 
     def build_data_loader(self) -> Any:
         if self.args.loader == "list":
             return [batch(i) for i in range(BATCHES)]
-        return StatefulLoader(skip=self.args.loader == "skipping")
+        return StatefulLoader(self.args.loader)
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(0)
@@ -87,7 +96,16 @@ class Trainer(BaseTrainer):
         if self.step == self.args.kill_at and not (self.workspace / "killed").exists():  # type: ignore[operator]
             (self.workspace / "killed").touch()  # type: ignore[operator]
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.step == self.args.signal_at and not (self.workspace / "signalled").exists():  # type: ignore[operator]
+            (self.workspace / "signalled").touch()  # type: ignore[operator]
+            os.kill(os.getpid(), signal.SIGUSR1)  # taken at the step's end: saved, then exit 138
         loss = nn.functional.mse_loss(self.model(input["x"]), input["y"])  # type: ignore[misc]
+        first_try = self.step not in self.tried
+        self.tried.add(self.step)
+        if self.step == self.args.loss_none_at and first_try:
+            return None, {}
+        if self.step == self.args.non_finite_at and first_try:
+            return loss * float("nan"), {}
         return loss, {}
 
     def load_state_dict(self, state: dict[str, Any], options: Any = None, data_resume: str = "auto") -> None:
@@ -104,11 +122,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--interval", type=int, default=4)
     parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--signal-at", type=int, default=-1)
+    parser.add_argument("--loss-none-at", type=int, default=-1)
+    parser.add_argument("--non-finite-at", type=int, default=-1)
     parser.add_argument("--plant", default="")
-    parser.add_argument("--loader", choices=("list", "stateful", "skipping"), default="list")
+    parser.add_argument("--loader", choices=("list", "stateful", "skipping", "forgetful"), default="list")
     parser.add_argument("--load", choices=("latest", "none"), default="latest")
     args = parser.parse_args(argv)
-    Trainer(args, max_steps=args.steps, workspace=args.workspace, device="cpu").train()
+    retries = 1 if args.non_finite_at > 0 else 0
+    Trainer(
+        args, max_steps=args.steps, workspace=args.workspace, device="cpu", max_non_finite_grad_retries=retries
+    ).train()
 
 
 if __name__ == "__main__":

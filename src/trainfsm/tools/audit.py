@@ -32,9 +32,10 @@ means the run went on (it was resumed or restarted), by ``kind``:
 - ``stalled``: in the last attempt a rank's stall watchdog ended the process (exit reason
   ``stalled``, code 75), or a rank's trail ends in a ``stall`` that never cleared (a run that hangs,
   or hung until something killed it). A stall that cleared is not a problem: the rank went on;
-- ``ledger``: the data ledger (``trainfsm.tools.ledger``) found a batch drawn twice or never, in
-  any attempt: a resume that restored another position than its checkpoint saved, a loader that
-  resumed elsewhere, a start from scratch after a complete save.
+- ``ledger``: the data ledger (``trainfsm.tools.ledger``) found a micro-batch (or, across world
+  sizes, a position of an epoch's order) kept twice or never, in any attempt: a resume that restored
+  another position than its checkpoint saved, a loader that resumed elsewhere, a start from scratch
+  after a complete save.
 
 Consistency problems, by ``kind``:
 
@@ -143,10 +144,11 @@ def audit_trail(trail: Trail, observe: Callable[[Record], None] | None = None, j
     for attempt in attempts:
         _check_attempt(attempt, problems, trail.notes)
     problems.sort(key=_problem_order)
-    breaks, ledger_notes, ledger_lines = ledger.check(attempts)
-    trail.notes.extend(ledger_notes)
+    checked = ledger.check(attempts)
+    trail.notes.extend(checked.notes)
     trail.notes.extend(preemption_timing.notes(attempts))  # thin margins: advice, not run problems
-    return AuditReport(files, attempts, problems, trail.notes, breaks + _run_problems(attempts), ledger_lines)
+    run_problems = checked.problems + _run_problems(attempts)
+    return AuditReport(files, attempts, problems, trail.notes, run_problems, checked.lines, checked.checked)
 
 
 def _jobs(jobs: int | None, trail: Trail) -> int:

@@ -123,7 +123,9 @@ def check(stretches: list[Stretch], ends: dict[int, int], begins: dict[int, int]
 
 
 def _epoch(epoch: int, items: list[Stretch], begin: int, end: int) -> list[Finding]:
-    cuts = sorted({begin, end} | {s.lo for s in items if begin < s.lo < end} | {s.hi for s in items if begin < s.hi < end})
+    cuts = sorted(
+        {begin, end} | {s.lo for s in items if begin < s.lo < end} | {s.hi for s in items if begin < s.hi < end}
+    )
     starting: dict[int, list[Stretch]] = {}
     for s in items:
         starting.setdefault(max(s.lo, begin), []).append(s)
@@ -134,9 +136,7 @@ def _epoch(epoch: int, items: list[Stretch], begin: int, end: int) -> list[Findi
         active = [s for s in active if s.hi > p] + [s for s in starting.get(p, []) if s.hi > p]
         first_twice = _piece(p, q, active, twice, skipped)
         if first_twice is not None and first_twice == twice.first:
-            holders = tuple(
-                sorted((s.attempt, s.rank) for s in active if first_twice % s.world == s.rank % s.world)
-            )
+            holders = tuple(sorted((s.attempt, s.rank) for s in active if first_twice % s.world == s.rank % s.world))
     found = []
     if twice.first is not None:
         found.append(Finding(epoch, "twice", twice.first, twice.last, twice.count, holders))

@@ -1,206 +1,444 @@
-"""The data ledger: did the run, across all its attempts, train every batch exactly once?
+"""The data ledger: did the run, across all its attempts, keep every micro-batch exactly once?
 
-Exact resume is tested on the project's own runs; this checks a user's run from its trail. Each
-rank's replay (``trainfsm.tools.replay``) counts where its data stands: an attempt starts at (epoch
-0, batch 0) or where ``data_resumed`` says; every entry into ACCUMULATE draws one batch; an
-``epoch`` event starts the next epoch at its first batch; ``data_exhausted`` draws nothing. Each
-save records the positions it saved (``checkpoint_saved.data``) and each resume the checkpoint it
-came from (``checkpoint_loaded``: step and checksum). Per rank, across attempts:
+Its words (``trainfsm.tools.ledger_words``; docs/guides/audit-trail.md, "Exactly once: the data
+ledger"): a **micro-batch** is one draw from the data loader (one forward and backward), numbered
+from 0 in each epoch on each rank. An attempt **kept** what it drew up to the save the next attempt
+resumed from (the last attempt: up to its end); what it drew after that save is **not kept** (its
+weights were lost, so the next attempt draws those again: exact resume, not a repeat). A kept
+micro-batch may be **drawn, not trained** on purpose (``loss=None``, a non-finite retry, an fp16
+scaler skip, the data running out mid-step): named with its step.
 
-- **saved as counted**: the position a save recorded is the one the trail counts at that step;
-- **resumed as saved**: an attempt that resumed from a checkpoint restored exactly the position
-  saved with it (the same checksum: the same save), so no batch is drawn twice or skipped;
-- **the same batch next**: the first batch drawn after a resume is the batch the saving attempt drew
-  after that save (``batch_fingerprint``), when both were drawn: a loader that resumed elsewhere
-  while saying it did not shows here;
-- **no silent restart**: an attempt that started from scratch while an earlier attempt had saved a
-  complete checkpoint, without ``CheckpointingHook(load=None)``, trains those batches again.
+The counts are ``trainfsm.tools.replay``'s: an attempt starts at epoch 0 micro-batch 0 or where
+``data_resumed`` says; each entry into ACCUMULATE draws one; an ``epoch`` event starts the next
+epoch; ``data_exhausted`` drew none. The **lineage** is the chain of attempts the run's last weights
+come from: the last attempt, the one that saved the checkpoint it resumed from, and so on. Per rank:
 
-A break is a run problem of kind ``ledger`` (``trainfsm audit`` exits 1). Attempts written before
-the ledger (trail formats 1 and 2) or without a data position to restore (``data_resume="none"``,
-a trainloop checkpoint) are named in a note, not checked. One line per rank (ranks alike together)
-says what was drawn: from where to where, over which attempts and steps, each batch once or not.
+- **saved as counted**: the position a save recorded (``checkpoint_saved.data``) is the count then;
+- **resumed as saved**: a resume on the saving run's world size restored the position saved with
+  the checkpoint it loaded (the same checksum: the same save);
+- **the same micro-batches**: two fingerprints of one rank at one (world size, epoch, micro-batch),
+  one drawn by an attempt and one by an attempt resumed from it (directly or not), are equal: the
+  micro-batch after a save and the first after its resume, each epoch's first. These are the only
+  reading of the loader (the counts are the trainer's own); a resumed loader that drew another
+  micro-batch first is named by the fingerprint it matches (the epoch's first, say);
+- **no silent restart**: a fresh start after an earlier attempt saved a complete checkpoint, without
+  ``CheckpointingHook(load=None)``, trains those micro-batches again.
+
+Across a change of world size (``data_layout``, format 4), each rank's kept micro-batches are mapped
+to positions of each epoch's order (``trainfsm.tools.coverage``): per epoch their union must be a
+prefix of the order, no position twice, or the first position twice or skipped is named.
+
+A break is a run problem of kind ``ledger`` (``trainfsm audit`` exits 1). What cannot be checked
+(an older trainfsm's trail, ``data_resume="none"``, a change of world size without a known order)
+is a note, and the line says so: the ledger never certifies what it did not check. A resume the user
+accepted as approximate (``CheckpointingHook(data_reshard="approximate")``) is a note with what it
+cost.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Final
 
+from trainfsm.tools import coverage, ledger_words
+from trainfsm.tools.ledger_words import ONCE, POSITIONS_ONCE, micro_text, proven
 from trainfsm.tools.replay import Problem, RankAttempt
-from trainfsm.tools.report import AttemptReport, group_by, ranks_text
+from trainfsm.tools.report import AttemptReport
 from trainfsm.trail.reader import Note
 
-KIND = "ledger"
+__all__ = ["KIND", "ONCE", "POSITIONS_ONCE", "Ledger", "Segment", "check", "proven", "saved_position"]
+
+KIND: Final = "ledger"
+
+Position = tuple[int, int]  # (epoch, micro-batches drawn in it)
+Key = tuple[int, int | None, int, int]  # a fingerprint's (rank, world size, epoch, micro-batch)
 
 
-def saved_position(data: dict[str, Any] | None, rank: int) -> tuple[int, int] | None:
-    """The position a save recorded for ``rank`` (``checkpoint_saved.data``); another world size
-    resumes every rank from rank 0's."""
+@dataclass(slots=True)
+class Ledger:
+    """What ``check`` found: run problems, notes, a line per group of ranks (one for all ranks
+    across world sizes), and what was proven, how, and what was assumed."""
+
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    checked: str = ""
+
+
+@dataclass(slots=True)
+class Segment:
+    """One rank's draws in one attempt."""
+
+    r: RankAttempt
+    how: str  # fresh, resumed, approximate, complete (at max_steps already), unchecked, nothing (no RESTORE)
+    why: str | None = None  # unchecked: why; approximate: the reason the user accepted
+    begin: Position | None = None
+    parent: int | None = None  # the attempt that saved the checkpoint it loaded
+    save: dict[str, Any] | None = None  # that save (``checkpoint_saved``'s entry)
+    handed: dict[str, Any] | None = None  # its attempt's save that the next attempt resumed from
+    kept_to: Position | None = None  # what it kept ends here
+
+    @property
+    def checked(self) -> bool:
+        return self.how in ("fresh", "resumed")
+
+    @property
+    def world(self) -> int | None:
+        return (self.r.layout or {}).get("world_size") or self.r.world_size
+
+    @property
+    def end(self) -> Position | None:
+        position = self.r.position
+        return (position[0], position[1]) if position is not None else None
+
+    def spans(self, begin: Position, end: Position) -> list[tuple[int, int, int]]:
+        """This rank's micro-batches from ``begin`` up to ``end``, epoch by epoch: (epoch, first, end)."""
+        if end <= begin:
+            return []
+        if begin[0] == end[0]:
+            return [(begin[0], begin[1], end[1])]
+        drawn = self.r.epoch_ends
+        per_epoch = (self.r.layout or {}).get("epoch_batches") or 0
+        spans = [(begin[0], begin[1], drawn.get(begin[0], per_epoch))]
+        spans += [(epoch, 0, drawn.get(epoch, per_epoch)) for epoch in range(begin[0] + 1, end[0])]
+        spans.append((end[0], 0, end[1]))
+        return [span for span in spans if span[2] > span[1]]
+
+
+def saved_position(data: dict[str, Any] | None, rank: int) -> Position | None:
+    """The position a save recorded for ``rank`` (``checkpoint_saved.data``); None when that save
+    has none for it (a rank the saving run did not have)."""
     if not data:
         return None
     if "ranks" in data:
         ranks = data["ranks"]
-        entry = ranks[rank] if rank < len(ranks) else ranks[0]
-        return int(entry[0]), int(entry[1])
+        return (int(ranks[rank][0]), int(ranks[rank][1])) if rank < len(ranks) else None
     return int(data["epoch"]), int(data["batches"])
 
 
-def where(position: tuple[int, int] | list[int]) -> str:
-    return f"epoch {position[0]} batch {position[1]}"
+def check(attempts: list[AttemptReport]) -> Ledger:
+    """The ledger over ``attempts`` (in order)."""
+    return Check(attempts).run()
 
 
-def check(attempts: list[AttemptReport]) -> tuple[list[Problem], list[Note], list[str]]:
-    """The ledger's run problems, notes, and one line per group of ranks."""
-    problems: list[Problem] = []
-    notes: list[Note] = []
-    saves: dict[tuple[int, str | None], tuple[int, dict[str, Any]]] = {}  # (step, checksum) -> attempt, save
-    after_save: dict[tuple[int, int, int], dict[str, Any]] = {}  # (rank, attempt, step) -> fingerprint
-    segments: dict[int, list[dict[str, Any]]] = {}  # rank -> what each attempt drew
-    handover: dict[tuple[int, int], tuple[int, tuple[int, int]]] = {}  # (rank, attempt) -> the save resumed from
-    broken: set[int] = set()
-    unchecked: list[int] = []
+class Check:
+    """The ledger's state while it checks: each rank's segments, the lineage, what broke."""
 
-    def problem(r: RankAttempt, message: str, line: int | None = None) -> None:
-        problems.append(Problem(KIND, message, r.file, line if line is not None else r.end_line, r.rank, r.attempt))
-        broken.add(r.rank)
+    def __init__(self, attempts: list[AttemptReport]) -> None:
+        self.attempts = attempts
+        self.out = Ledger()
+        self.segments: dict[int, dict[int, Segment]] = {}  # attempt -> rank -> segment
+        self.saves: dict[tuple[int, str | None], tuple[int, dict[str, Any]]] = {}  # (step, checksum)
+        self.parent: dict[int, int | None] = {}  # attempt -> the attempt it resumed from
+        self.lineage: list[int] = []  # the attempts the run's last weights come from, in order
+        self.broken: set[int] = set()  # ranks with a break
+        self.pairs = self.differ = 0  # fingerprint pairs compared, and those that differ
+        self.unpaired: list[str] = []  # same-size resumes whose first micro-batch had nothing to match
 
-    for attempt in attempts:
-        rank0 = next((r for r in attempt.ranks if r.rank == 0), None)
-        own_saves = [s for s in (rank0.saved if rank0 is not None else []) if s.get("data") is not None]
-        for r in attempt.ranks:
-            start = r.ledger_start
-            old = r.format is None or r.format < 3
-            if start is None and not old:  # ended before RESTORE said where its data began: drew nothing
-                segments.setdefault(r.rank, []).append({"attempt": attempt.attempt, "nothing": True})
-                continue
-            if old or start is None or start["how"] == "unchecked" or r.position is None:
-                if attempt.attempt not in unchecked:
-                    unchecked.append(attempt.attempt)
-                    why = (
-                        f"its trail (format {r.format or 'unknown'}) has no data ledger: written by an older trainfsm"
-                        if old or start is None
-                        else start["why"]
-                    )
-                    notes.append(Note(f"attempt {attempt.attempt}: the data ledger is not checked: {why}"))
-                segments.setdefault(r.rank, []).append({"attempt": attempt.attempt, "unchecked": True})
-                continue
-            if start["how"] == "fresh":
-                earlier = [(a, s) for (step, _), (a, s) in saves.items() if a < attempt.attempt]
-                if earlier and not r.not_loaded:
-                    a, newest = max(earlier, key=lambda item: item[1]["step"])
-                    problem(
-                        r,
-                        f"rank {r.rank}, attempt {attempt.attempt} started from scratch (step 0, {where((0, 0))}) "
-                        f"although attempt {a} saved checkpoint {newest['step']} completely ({newest['path']}): "
-                        f"the batches up to {where(saved_position(newest['data'], r.rank) or (0, 0))} are trained "
-                        f"again (pass CheckpointingHook(load=None) to start afresh on purpose)",
-                    )
-            else:
-                resumed = _check_resume(r, attempt.attempt, start, saves, after_save, problem, notes)
-                if resumed is not None:
-                    handover[(r.rank, resumed[0])] = (int(start["from_step"]), resumed[1])
-            for save in own_saves:  # saved as counted
-                saved = saved_position(save["data"], r.rank)
-                counted = r.positions.get(save["step"])
-                if saved is not None and counted is not None and saved != counted:
-                    problem(
-                        r,
-                        f"rank {r.rank}, attempt {attempt.attempt}: checkpoint {save['step']} saved {where(saved)}, "
-                        f"but the trail counts {where(counted)} drawn by then: the loader's position and its draws "
-                        f"disagree",
-                    )
-            for fingerprint in r.fingerprints:
-                if fingerprint["after"] == "save":
-                    after_save[(r.rank, attempt.attempt, int(fingerprint["from_step"]))] = fingerprint
-            segments.setdefault(r.rank, []).append(
-                {
-                    "attempt": attempt.attempt,
-                    "begin": (start["epoch"], start["batches"]),
-                    "end": (r.position[0], r.position[1]),
-                    "steps": f"steps {r.first_step}-{r.last_step}" if r.steps_done else "no steps",
-                }
-            )
-        for save in own_saves:
-            saves[(int(save["step"]), save.get("checksum"))] = (attempt.attempt, save)
-    lines = []
-    texts = {rank: _line(rank, chain, handover, rank in broken) for rank, chain in segments.items()}
-    for text, ranks in group_by(sorted(texts), lambda rank: texts[rank]).items():
-        lines.append(f"{ranks_text(ranks)}: {text}")
-    return problems, notes, lines
+    def problem(self, r: RankAttempt, message: str, line: int | None = None) -> None:
+        self.out.problems.append(Problem(KIND, message, r.file, line or r.end_line, r.rank, r.attempt))
+        self.broken.add(r.rank)
 
+    def note(self, message: str) -> None:
+        if all(n.message != message for n in self.out.notes):
+            self.out.notes.append(Note(message))
 
-def _line(
-    rank: int, chain: list[dict[str, Any]], handover: dict[tuple[int, int], tuple[int, tuple[int, int]]], broken: bool
-) -> str:
-    """``attempt 0: epoch 0 batch 0 -> epoch 1 batch 2, saved at step 8 (drew on to epoch 1 batch 3:
-    not kept); attempt 1: ...: each batch drawn once``."""
-    parts = []
-    for segment in chain:
-        if segment.get("unchecked"):
-            parts.append(f"attempt {segment['attempt']}: not checked")
-            continue
-        if segment.get("nothing"):
-            parts.append(f"attempt {segment['attempt']}: ended before RESTORE, drew nothing")
-            continue
-        text = f"attempt {segment['attempt']}: {where(segment['begin'])} -> "
-        passed = handover.get((rank, segment["attempt"]))
-        if passed is not None:
-            step, position = passed
-            text += f"{where(position)}, saved at step {step}"
-            if position != segment["end"]:
-                text += f" (drew on to {where(segment['end'])}: not kept)"
+    def run(self) -> Ledger:
+        for attempt in self.attempts:
+            rank0 = next((r for r in attempt.ranks if r.rank == 0), None)
+            own_saves = [s for s in (rank0.saved if rank0 is not None else []) if s.get("data") is not None]
+            self.segments[attempt.attempt] = {r.rank: self._start(r) for r in attempt.ranks}
+            for r in attempt.ranks:
+                self._saved_as_counted(r, own_saves)
+            for save in own_saves:
+                self.saves[(int(save["step"]), save.get("checksum"))] = (attempt.attempt, save)
+        self._link()
+        for segments in self.segments.values():
+            for seg in segments.values():
+                self._resumed_as_saved(seg)
+        self._fingerprints()
+        sizes = self.sizes()
+        if len(sizes) > 1:
+            self._across_sizes(sizes)
         else:
-            text += where(segment["end"])
-        parts.append(f"{text} ({segment['steps']})")
-    verdict = "NOT each batch once (see run problems)" if broken else "each batch drawn once"
-    return f"{'; '.join(parts)}: {verdict}"
+            ledger_words.rank_lines(self)
+        self.out.checked = ledger_words.checked(self, sizes)
+        return self.out
 
+    # ---------------------------------------------------------------- where each attempt began
+    def _start(self, r: RankAttempt) -> Segment:
+        """How this rank's attempt began, and from which save."""
+        start = r.ledger_start
+        old = r.format is None or r.format < 3
+        if start is None and not old:  # ended before RESTORE said where its data began
+            return Segment(r, "nothing")
+        if old or start is None:
+            why = f"its trail (format {r.format or 'unknown'}) has no data ledger: written by an older trainfsm"
+            return self._unchecked(Segment(r, "unchecked", why))
+        seg = Segment(r, start["how"], start.get("why"))
+        loaded = r.loaded[-1] if r.loaded else None
+        if loaded is not None and seg.how != "fresh":
+            found = self.saves.get((int(loaded["step"]), loaded.get("checksum")))
+            if found is not None:
+                seg.parent, seg.save = found
+        if seg.how == "fresh":
+            seg.begin = (0, 0)
+            self._silent_restart(seg)
+        elif seg.how == "pending":  # no data_resumed: at max_steps already, or no position to restore
+            if r.steps_done == 0 and (r.exit or {}).get("reason") == "completed":
+                seg.how = "complete"
+            else:
+                trainloop = loaded is not None and loaded.get("format") == "trainloop"
+                seg.how = "unchecked"
+                seg.why = "the checkpoint it loaded has no data position for it" + (
+                    " (a trainloop checkpoint)" if trainloop else ""
+                )
+        elif seg.how == "resumed":
+            seg.begin = (int(start["epoch"]), int(start["batches"]))
+            if start.get("exact") is False:
+                seg.how, seg.why = "approximate", start.get("approximate") or "not exact"
+                self.note(f"attempt {r.attempt}: resumed on another world size approximately, as accepted: {seg.why}")
+            if seg.save is None:
+                self.note(
+                    f"attempt {r.attempt}: resumed from checkpoint {start.get('from_step')} ({start.get('path')}), "
+                    f"which no earlier attempt in this trail saved (another run's, or a trail that begins later): "
+                    f"its position is taken as given"
+                )
+        return self._unchecked(seg) if seg.how == "unchecked" else seg
 
-def _check_resume(
-    r: RankAttempt,
-    attempt: int,
-    start: dict[str, Any],
-    saves: dict[tuple[int, str | None], tuple[int, dict[str, Any]]],
-    after_save: dict[tuple[int, int, int], dict[str, Any]],
-    problem: Any,
-    notes: list[Note],
-) -> tuple[int, tuple[int, int]] | None:
-    """A resumed attempt: the checkpoint it loaded, the position it restored, the batch it drew
-    first. Returns the attempt that saved that checkpoint and the position it saved, if known."""
-    step, checksum = start.get("from_step"), start.get("checksum")
-    found = saves.get((int(step), checksum)) if step is not None else None
-    if found is None:
-        notes.append(
-            Note(
-                f"attempt {attempt}, rank {r.rank}: resumed from checkpoint {step} ({start.get('path')}), which no "
-                f"earlier attempt in this trail saved (another run's, or a trail that begins later): its position "
-                f"is taken as given"
+    def _unchecked(self, seg: Segment) -> Segment:
+        self.note(f"attempt {seg.r.attempt}: the data ledger is not checked: {seg.why}")
+        return seg
+
+    def _silent_restart(self, seg: Segment) -> None:
+        r = seg.r
+        earlier = [(a, s) for (a, s) in self.saves.values() if a < r.attempt]
+        if not earlier or r.not_loaded:
+            return
+        a, newest = max(earlier, key=lambda item: item[1]["step"])
+        upto = saved_position(newest["data"], r.rank)
+        again = f"the micro-batches before {micro_text([(upto[0], upto[1], upto[1] + 1)])}" if upto else "its data"
+        self.problem(
+            r,
+            f"rank {r.rank}, attempt {r.attempt} started from scratch (step 0, epoch 0 micro-batch 0) although "
+            f"attempt {a} saved checkpoint {newest['step']} completely ({newest['path']}): {again} are trained "
+            f"again (pass CheckpointingHook(load=None) to start afresh on purpose)",
+        )
+
+    def _link(self) -> None:
+        """The lineage (from the last attempt that began, back through the saves each resumed
+        from), and for each attempt the save the next one resumed from: what it kept ends there."""
+        for a, segments in self.segments.items():
+            self.parent[a] = next((s.parent for s in segments.values() if s.parent is not None), None)
+        began = [a for a, segments in self.segments.items() if any(s.how != "nothing" for s in segments.values())]
+        at = began[-1] if began else None
+        while at is not None:
+            self.lineage.insert(0, at)
+            at = self.parent[at]
+        handed: dict[int, dict[str, Any]] = {}
+        for a in [*self.segments, *self.lineage]:  # the last resume from an attempt wins, then the lineage's
+            seg = next((s for s in self.segments[a].values() if s.save is not None), None)
+            if seg is not None and seg.parent is not None:
+                handed[seg.parent] = seg.save  # type: ignore[assignment]
+        last = self.lineage[-1] if self.lineage else None
+        for a, segments in self.segments.items():
+            for seg in segments.values():
+                if a in handed:
+                    seg.handed = handed[a]
+                    seg.kept_to = saved_position(handed[a]["data"], seg.r.rank) or seg.end
+                else:  # the last attempt keeps what it drew; one nobody resumed from, nothing
+                    seg.kept_to = seg.end if a == last else seg.begin
+
+    # ---------------------------------------------------------------- per rank
+    def _saved_as_counted(self, r: RankAttempt, own_saves: list[dict[str, Any]]) -> None:
+        for save in own_saves:
+            saved = saved_position(save["data"], r.rank)
+            counted = r.positions.get(save["step"])
+            if saved is not None and counted is not None and saved != counted:
+                self.problem(
+                    r,
+                    f"rank {r.rank}, attempt {r.attempt}: checkpoint {save['step']} saved epoch {saved[0]} with "
+                    f"{saved[1]} micro-batches drawn, but the trail counts epoch {counted[0]} with {counted[1]} drawn "
+                    f"by then: the loader's position and its draws disagree",
+                )
+
+    def _resumed_as_saved(self, seg: Segment) -> None:
+        r = seg.r
+        if seg.how != "resumed" or seg.save is None or seg.begin is None or seg.parent is None:
+            return
+        if self.world_of(seg.parent, r.rank) != seg.world:  # another world size: positions, not counts
+            return
+        saved = saved_position(seg.save["data"], r.rank)
+        if saved is None or saved == seg.begin:
+            return
+        if seg.begin < saved:
+            what = f"{ledger_words.between(seg.begin, saved)} trained twice"
+        else:
+            what = f"{ledger_words.between(saved, seg.begin)} skipped"
+        self.problem(
+            r,
+            f"rank {r.rank}, attempt {r.attempt} resumed from checkpoint {seg.save['step']} (saved by attempt "
+            f"{seg.parent}) at epoch {seg.begin[0]} micro-batch {seg.begin[1]}, but that checkpoint saved epoch "
+            f"{saved[0]} micro-batch {saved[1]} as the next: {what}",
+            (r.ledger_start or {}).get("line"),
+        )
+
+    def world_of(self, attempt: int, rank: int) -> int | None:
+        seg = self.segments[attempt].get(rank)
+        return seg.world if seg is not None else None
+
+    def _ancestors(self, attempt: int) -> list[int]:
+        found, at = [], self.parent.get(attempt)
+        while at is not None:
+            found.append(at)
+            at = self.parent.get(at)
+        return found
+
+    def _fingerprints(self) -> None:
+        """Two fingerprints of one rank at one (world size, epoch, micro-batch), drawn by an attempt
+        and by one resumed (directly or not) from it, must be equal: both drew that micro-batch."""
+        seen: dict[int, dict[Key, dict[str, Any]]] = {}
+        for attempt in self.attempts:
+            a = attempt.attempt
+            mine = seen.setdefault(a, {})
+            history = [seen[x] for x in self._ancestors(a) if x in seen]
+            for seg in self.segments[a].values():
+                if not seg.checked:
+                    continue
+                reported = False
+                for f in seg.r.fingerprints:
+                    key = (seg.r.rank, seg.world, int(f["epoch"]), int(f["batches"]) - 1)
+                    entry = {**f, "attempt": a}
+                    mine.setdefault(key, entry)
+                    before = next((entries[key] for entries in history if key in entries), None)
+                    if before is None:
+                        same_size = seg.parent is not None and self.world_of(seg.parent, seg.r.rank) == seg.world
+                        if f["after"] == "resume" and same_size:
+                            self.unpaired.append(f"rank {seg.r.rank}, attempt {a}, checkpoint {f['from_step']}")
+                        continue
+                    self.pairs += 1
+                    if before["fingerprint"] != f["fingerprint"]:
+                        self.differ += 1
+                        if not reported:  # the first difference says it; the rest follow from it
+                            reported = True
+                            self._differs(seg, entry, before, history)
+
+    def _differs(
+        self, seg: Segment, now: dict[str, Any], before: dict[str, Any], history: list[dict[Key, dict[str, Any]]]
+    ) -> None:
+        r = seg.r
+        epoch, index = int(now["epoch"]), int(now["batches"]) - 1
+        digests = f"fingerprint {now['fingerprint']} != {before['fingerprint']}"
+        if now["after"] != "resume":
+            self.problem(
+                r,
+                f"rank {r.rank}, attempt {r.attempt}: epoch {epoch} micro-batch {index} is not the one attempt "
+                f"{before['attempt']} drew there ({ledger_words.source(before)}; {digests}): the data loader's order "
+                f"differs from the run it resumed",
+                now["line"],
             )
-        )
-        return None
-    saved_by, save = found
-    saved = saved_position(save["data"], r.rank)
-    restored = (start["epoch"], start["batches"])
-    if saved is None:
-        return None
-    if saved is not None and saved != restored:
-        twice = restored < saved
-        problem(
+            return
+        same = [
+            (key, entry)
+            for entries in history
+            for key, entry in entries.items()
+            if key[:2] == (r.rank, seg.world) and entry["fingerprint"] == now["fingerprint"]
+        ]
+        if not same:
+            self.problem(
+                r,
+                f"rank {r.rank}, attempt {r.attempt}: the first micro-batch after resuming from checkpoint "
+                f"{now['from_step']} is not the one attempt {before['attempt']} drew after saving it (epoch {epoch} "
+                f"micro-batch {index}; {digests}), nor any other micro-batch fingerprinted in this trail: the data "
+                f"loader did not resume where it said it did",
+                now["line"],
+            )
+            return
+        # The match nearest the saved position (the same epoch first): a loader's epochs may repeat.
+        key, match = min(same, key=lambda item: (item[0][2] != epoch, abs(item[0][3] - index), item[0][2:]))
+        real = (key[2], key[3])
+        if real < (epoch, index):
+            what = f"{ledger_words.between(real, (epoch, index))} trained twice"
+        else:
+            what = f"{ledger_words.between((epoch, index), real)} skipped"
+        self.problem(
             r,
-            f"rank {r.rank}, attempt {attempt} resumed from checkpoint {step} (saved by attempt {saved_by}) at "
-            f"{where(restored)}, but that checkpoint saved {where(saved)} for it: the batches between are "
-            f"{'drawn twice' if twice else 'never drawn'}",
+            f"rank {r.rank}, attempt {r.attempt} resumed at epoch {real[0]} micro-batch {real[1]} (the micro-batch "
+            f"it drew first is the one attempt {match['attempt']} drew {ledger_words.source(match)}), not at "
+            f"micro-batch {index} of epoch {epoch} as checkpoint {now['from_step']} saved: {what}",
+            now["line"],
         )
-        return saved_by, saved
-    first = next((f for f in r.fingerprints if f["after"] == "resume"), None)
-    before = after_save.get((r.rank, saved_by, int(step))) if step is not None else None
-    if first is not None and before is not None and first["fingerprint"] != before["fingerprint"]:
-        problem(
-            r,
-            f"rank {r.rank}, attempt {attempt}: the first batch after resuming from checkpoint {step} is not the "
-            f"batch attempt {saved_by} drew after saving it ({where((first['epoch'], first['batches']))}; "
-            f"fingerprint {first['fingerprint']} != {before['fingerprint']}): the data loader did not resume where "
-            f"it said it did",
-            first["line"],
-        )
-    return saved_by, saved
+
+    # ---------------------------------------------------------------- across world sizes
+    def sizes(self) -> list[int]:
+        """The lineage's world sizes, each change once: [4, 2, 3]."""
+        sizes: list[int] = []
+        for a in self.lineage:
+            worlds = {s.world for s in self.segments[a].values() if s.how != "nothing" and s.world is not None}
+            for world in sorted(worlds):
+                if not sizes or sizes[-1] != world:
+                    sizes.append(world)
+        return sizes
+
+    def _across_sizes(self, sizes: list[int]) -> None:
+        change = " → ".join(map(str, sizes))
+        cannot = self._cannot_map()
+        stretches: list[coverage.Stretch] = []
+        if not cannot:
+            stretches, ends, begins = self._stretches()
+            try:
+                findings = coverage.check(stretches, ends, begins)
+            except ValueError as error:
+                cannot = str(error)
+        if cannot:
+            self.note(f"the data ledger cannot be checked across world size {change}: {cannot}")
+            self.out.lines.append(f"all ranks, world size {change}: cannot be checked: {cannot}")
+            return
+        approximate = [a for a in self.lineage if any(s.how == "approximate" for s in self.segments[a].values())]
+        for finding in findings:
+            text, blame = ledger_words.finding(finding, stretches)
+            if approximate:  # accepted: what it cost is a note
+                which = ", ".join(map(str, approximate))
+                self.note(f"attempt {which} continued approximately, as accepted: epoch {finding.epoch}: {text}")
+                continue
+            seg = self.segments[blame[0]].get(blame[1]) or next(iter(self.segments[blame[0]].values()))
+            line = (seg.r.ledger_start or {}).get("line")
+            self.problem(seg.r, f"world size {change}, epoch {finding.epoch}: {text}", line)
+        self.out.lines.append(ledger_words.positions_line(self, change, stretches, approximate))
+
+    def _cannot_map(self) -> str:
+        """Why the lineage's micro-batches cannot be mapped to positions, or ""."""
+        for a in self.lineage:
+            for seg in self.segments[a].values():
+                if seg.how in ("nothing", "complete"):
+                    continue
+                layout = seg.r.layout
+                if seg.how == "unchecked" or layout is None:
+                    why = seg.why or f"its trail (format {seg.r.format}) records no data layout"
+                    return f"attempt {a} on {seg.world} ranks: {why}; which samples each rank drew is unknown"
+                if layout.get("order") != "distributed" or not layout.get("batch_size"):
+                    return f"attempt {a} on {seg.world} ranks: the order of its samples is unknown: {layout.get('why')}"
+        return ""
+
+    def _stretches(self) -> tuple[list[coverage.Stretch], dict[int, int], dict[int, int]]:
+        """What each rank of the lineage kept, as positions; where each epoch it finished ends; and
+        the position a lineage that begins with a resume from another trail's checkpoint took as given."""
+        stretches: list[coverage.Stretch] = []
+        ends: dict[int, int] = {}
+        begins: dict[int, int] = {}
+        for a in self.lineage:
+            for seg in self.segments[a].values():
+                if seg.begin is None or seg.kept_to is None or seg.how in ("nothing", "complete"):
+                    continue
+                layout = seg.r.layout or {}
+                shape = {"batch": int(layout["batch_size"]), "world": int(layout["world_size"])}
+                samples = layout.get("epoch_samples")
+                for epoch, first, end in seg.spans(seg.begin, seg.kept_to):
+                    stretches.append(
+                        coverage.stretch(epoch, first, end, rank=seg.r.rank, attempt=a, epoch_samples=samples, **shape)
+                    )
+                if samples is not None:
+                    ends.update(dict.fromkeys(range(seg.begin[0], seg.kept_to[0]), int(samples)))
+                if a == self.lineage[0] and seg.how != "fresh" and seg.save is None:
+                    begins[seg.begin[0]] = coverage.position_after(seg.begin[1], epoch_samples=samples, **shape)
+        return stretches, ends, begins

@@ -87,10 +87,17 @@ class RankAttempt:
     exit_line: int | None = None
     format: int | None = None  # run_start's trail format
     # The data ledger (``trainfsm.tools.ledger``): where this rank's data stood, counted from the trail.
-    position: list[int] | None = None  # [epoch, batches drawn in it] now; None: not known (an old trail)
-    ledger_start: dict[str, Any] | None = None  # how the attempt's data began: fresh, resumed, unchecked
+    position: list[int] | None = None  # [epoch, micro-batches drawn in it] now; None: not known (an old trail)
+    # How the attempt's data began: fresh, resumed (data_resumed's fields), pending (resumed, no
+    # data_resumed yet: none comes when the checkpoint is at max_steps or has no data position), unchecked.
+    ledger_start: dict[str, Any] | None = None
     positions: dict[int, tuple[int, int]] = field(default_factory=dict)  # step -> position entering CHECKPOINT
-    fingerprints: list[dict[str, Any]] = field(default_factory=list)  # batch_fingerprint events
+    # batch_fingerprint events, and each epoch's first micro-batch (``after``: "epoch"; format 4)
+    fingerprints: list[dict[str, Any]] = field(default_factory=list)
+    layout: dict[str, Any] | None = None  # data_layout: how its micro-batches map onto each epoch's order
+    epoch_ends: dict[int, int] = field(default_factory=dict)  # micro-batches drawn in each epoch it left
+    # Micro-batches drawn and not trained: {"step", "why", "spans": [(epoch, first, end)]}, ends exclusive.
+    not_trained: list[dict[str, Any]] = field(default_factory=list)
     not_loaded: bool = False  # CheckpointingHook(load=None): a fresh start asked for
     stalls: list[dict[str, Any]] = field(default_factory=list)  # each stall (its first report), cleared or not
     stall_open: dict[str, Any] | None = None  # the last stall, while no stall_cleared followed it
@@ -120,6 +127,7 @@ class Replay:
         self.problems = problems
         self.state = fsm.BUILD
         self.step = 0
+        self._try_start: tuple[int, int] | None = None  # the position where this try of the step began
 
     def problem(self, kind: str, record: Record, message: str) -> None:
         self.problems.append(Problem(kind, message, record.file, record.line, record.rank, record.attempt))
@@ -258,6 +266,8 @@ class Replay:
         if dest == fsm.ACCUMULATE:
             result.micro_batches += 1
             if result.position is not None:  # ACCUMULATE draws its micro-batch first thing
+                if source == fsm.STEP or trigger == "retry":  # a step's micro-batches (again) from here
+                    self._try_start = (result.position[0], result.position[1])
                 result.position[1] += 1
         if source == fsm.ACCUMULATE and trigger in _STEP_DONE:
             result.steps_done += 1
@@ -289,8 +299,8 @@ class Replay:
         if not resumed:
             result.position = [0, 0]
             result.ledger_start = {"how": "fresh", "epoch": 0, "batches": 0}
-        else:  # data_resumed, next, says where the data stands; without it nothing was restored
-            result.ledger_start = {"how": "unchecked", "why": "the checkpoint had no data position to restore"}
+        else:  # data_resumed, next, says where the data stands (none: at max_steps, or no data position)
+            result.ledger_start = {"how": "pending", "from_step": from_step, "line": record.line}
         loaded = [entry["step"] for entry in result.loaded]
         if loaded and loaded[-1] != from_step:
             self.problem("gap", record, f"restore says from_step {from_step}, the checkpoint loaded was {loaded[-1]}")
@@ -315,7 +325,12 @@ class Replay:
     def _checkpoint_loaded(self, record: Record) -> None:
         data = record.data
         self.result.loaded.append(
-            {"step": data.get("from_step"), "path": data.get("path"), "checksum": data.get("checksum")}
+            {
+                "step": data.get("from_step"),
+                "path": data.get("path"),
+                "checksum": data.get("checksum"),
+                "format": data.get("format"),
+            }
         )
 
     def _checkpoint_not_loaded(self, record: Record) -> None:
@@ -326,19 +341,66 @@ class Replay:
         position = [int(data.get("epoch", 0)), int(data.get("batches", 0))]
         self.result.position = position
         loaded = self.result.loaded[-1] if self.result.loaded else {}
-        start = {"epoch": position[0], "batches": position[1], "from_step": data.get("from_step", loaded.get("step"))}
+        start = {
+            "epoch": position[0],
+            "batches": position[1],
+            "from_step": data.get("from_step", loaded.get("step")),
+            "line": record.line,
+        }
+        # Format 4: the saving run's world size, the global position continued from, and whether
+        # exactly (``approximate``: the reason the user accepted).
+        start.update({key: data.get(key) for key in ("from_world_size", "global", "exact", "approximate")})
         if data.get("mode") == "none":
             start.update(how="unchecked", why=f"the data position was not restored: {data.get('why')}")
         else:
             start.update(how="resumed", checksum=loaded.get("checksum"), path=loaded.get("path"))
         self.result.ledger_start = start
 
+    def _data_layout(self, record: Record) -> None:
+        self.result.layout = dict(record.data)
+
     def _epoch(self, record: Record) -> None:
-        self.result.position = [int(record.data.get("epoch", 0)), 1]  # the draw that began it is its first
+        result = self.result
+        epoch = int(record.data.get("epoch", 0))
+        if result.position is not None and epoch > result.position[0]:
+            result.epoch_ends[result.position[0]] = result.position[1] - 1  # its last draw began this one
+        result.position = [epoch, 1]  # the draw that began it is its first
+        if record.data.get("fingerprint") is not None:  # format 4: the epoch's first micro-batch
+            result.fingerprints.append(
+                {
+                    "after": "epoch",
+                    "from_step": None,
+                    "epoch": epoch,
+                    "batches": 1,
+                    "fingerprint": record.data["fingerprint"],
+                    "line": record.line,
+                }
+            )
 
     def _data_exhausted(self, record: Record) -> None:
         if self.result.position is not None:  # the last ACCUMULATE found no batch: nothing was drawn
             self.result.position[1] -= 1
+            self._not_trained(record.step, "the data ran out (max_epochs) before the step's last micro-batch")
+
+    def _not_trained(self, step: int, why: str) -> None:
+        """This try's micro-batches were drawn and not trained (``loss_none`` names single ones)."""
+        result = self.result
+        if result.position is None or self._try_start is None:
+            return
+        spans = self._spans(self._try_start, (result.position[0], result.position[1]))
+        result.not_trained[:] = [n for n in result.not_trained if not (n["step"] == step and n["try"])]
+        if spans:
+            result.not_trained.append({"step": step, "why": why, "spans": spans, "try": False})
+
+    def _spans(self, begin: tuple[int, int], end: tuple[int, int]) -> list[tuple[int, int, int]]:
+        """The micro-batches from ``begin`` to ``end`` (positions), epoch by epoch: (epoch, first, end)."""
+        if begin[0] == end[0]:
+            return [(begin[0], begin[1], end[1])] if end[1] > begin[1] else []
+        ends = self.result.epoch_ends
+        found = [(begin[0], begin[1], ends.get(begin[0], begin[1]))]
+        found += [(epoch, 0, ends.get(epoch, 0)) for epoch in range(begin[0] + 1, end[0])]
+        found.append((end[0], 0, end[1]))
+        return [span for span in found if span[2] > span[1]]
 
     def _batch_fingerprint(self, record: Record) -> None:
         data = record.data
@@ -356,12 +418,19 @@ class Replay:
     def _non_finite(self, record: Record) -> None:
         if record.data.get("what") == "scaler_skip":
             self.result.scaler_skips.append(record.step)
+            self._not_trained(record.step, "the fp16 grad scaler skipped the step")
         else:
             self.result.retries.append({"step": record.step, "retry": record.data.get("retry")})
+            self._not_trained(record.step, "non-finite gradients: the step ran again on the next micro-batches")
 
     def _loss_none(self, record: Record) -> None:
-        self.result.loss_none += 1
-        self.result.loss_none_at.append(f"step {record.step} micro {record.data.get('micro')}")
+        result = self.result
+        result.loss_none += 1
+        result.loss_none_at.append(f"step {record.step} micro {record.data.get('micro')}")
+        if result.position is not None:  # the micro-batch just drawn
+            epoch, batches = result.position
+            spans = [(epoch, batches - 1, batches)]
+            result.not_trained.append({"step": record.step, "why": "loss=None", "spans": spans, "try": True})
 
     def _signal_received(self, record: Record) -> None:
         data = record.data
@@ -503,6 +572,7 @@ _HANDLERS: Final = {
     "exit": Replay._exit,
     "checkpoint_not_loaded": Replay._checkpoint_not_loaded,
     "data_resumed": Replay._data_resumed,
+    "data_layout": Replay._data_layout,
     "epoch": Replay._epoch,
     "data_exhausted": Replay._data_exhausted,
     "batch_fingerprint": Replay._batch_fingerprint,

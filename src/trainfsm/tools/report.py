@@ -75,7 +75,8 @@ added)::
                    "rank": int|null, "attempt": int|null}],
      "run_problems": [...],                   # as "problems", kinds of audit.RUN_PROBLEM_KINDS
      "notes": [{"message": str, "file": str|null, "line": int|null}],
-     "ledger": [str]}                         # the data ledger (trainfsm.tools.ledger), a line per rank group
+     "ledger": [str],                         # the data ledger (trainfsm.tools.ledger), a line per rank group
+     "ledger_checked": str}                   # what the ledger proved and how, what it assumed
 
 Attempt-level values are those of the attempt's lowest rank, except ``checkpoints.saved``,
 ``skipped`` and ``failed`` (rank 0 writes checkpoints), ``signals.received`` and ``exceptions``,
@@ -214,6 +215,7 @@ class AuditReport:
     notes: list[Note]
     run_problems: list[Problem] = field(default_factory=list)
     ledger: list[str] = field(default_factory=list)  # the data ledger, a line per group of ranks
+    ledger_checked: str = ""  # what the ledger proved and how, what it assumed
 
     @property
     def consistent(self) -> bool:
@@ -234,6 +236,7 @@ class AuditReport:
             "run_problems": [p.as_dict() for p in self.run_problems],
             "notes": [n.as_dict() for n in self.notes],
             "ledger": self.ledger,
+            "ledger_checked": self.ledger_checked,
         }
 
     def to_json(self) -> str:
@@ -258,6 +261,8 @@ def render(report: AuditReport) -> str:
     if report.ledger:
         lines.append("")
         lines.extend(_ledger_text(report.ledger))
+        if report.ledger_checked:
+            lines.append(f"  checked: {report.ledger_checked}")
     if report.notes:
         lines.append("")
         lines.append("notes:")
@@ -277,17 +282,19 @@ SECTION_LINES: Final = 20
 
 
 def _ledger_text(ledger: list[str]) -> list[str]:
-    """The data ledger for people: its one line inline; else the broken groups of ranks, then the
-    groups that drew each batch once (summed up past a few: ``--json`` lists each)."""
+    """The data ledger for people: its one line inline; else the groups of ranks it could not
+    certify, then those it did (summed up past a few: ``--json`` lists each)."""
+    from trainfsm.tools.ledger import proven  # the ledger words its lines with this module's helpers
+
     if len(ledger) == 1:
         return [f"data ledger: {ledger[0]}"]
-    fine = [line for line in ledger if line.endswith(": each batch drawn once")]
-    broken = [line for line in ledger if not line.endswith(": each batch drawn once")]
+    fine = [line for line in ledger if proven(line)]
+    broken = [line for line in ledger if not proven(line)]
     lines = ["data ledger:", *_at_most((f"  {line}" for line in broken), limit=10)]
     if len(fine) <= 3:
         lines.extend(f"  {line}" for line in fine)
     else:
-        lines.append(f"  each batch drawn once on the other {len(fine)} groups of ranks (--json lists each)")
+        lines.append(f"  each micro-batch kept once on the other {len(fine)} groups of ranks (--json lists each)")
     return lines
 
 
