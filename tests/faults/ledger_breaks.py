@@ -3,7 +3,7 @@ attempt (a launch that kills itself runs in its own process, the others may run 
 breaks of exactly-once data are planted on purpose.
 
     python tests/faults/ledger_breaks.py WORKSPACE --steps 12 --interval 4 [--kill-at 10 | --signal-at 3]
-        [--plant other-position:4] [--loader stateful|skipping|forgetful] [--load none]
+        [--plant other-position:4] [--loader stateful|skipping|forgetful|drifting] [--load none]
         [--loss-none-at 6] [--non-finite-at 7]
 
 ``--kill-at S``: the first launch SIGKILLs itself in step S's forward (a node lost).
@@ -14,6 +14,8 @@ the one it loads (a user's ``load_state_dict`` that mixes up two checkpoints).
 ``--loader skipping``: a loader with its own ``state_dict`` whose ``load_state_dict`` lands one
 batch past the saved position, while saying it resumed there (``stateful``: the same, correct;
 ``forgetful``: its ``load_state_dict`` does nothing, so it starts the epoch again).
+``--loader drifting``: a list's batches in order in the first epoch a launch draws, rotated by the
+launch's attempt + 1 in later ones: an order that depends on something a resume does not restore.
 ``--loss-none-at S``: step S's first forward returns ``loss=None`` (that micro-batch is drawn, not
 trained). ``--non-finite-at S``: step S's first try has a non-finite loss (with one retry allowed:
 its micro-batch is drawn, not trained, and the step runs again on the next).
@@ -70,6 +72,19 @@ class StatefulLoader:
             self.position = state["position"] + (1 if self.kind == "skipping" else 0)
 
 
+class DriftingLoader:
+    """Batches 0..BATCHES-1 in order in the first pass, rotated by ``attempt + 1`` in later ones."""
+
+    def __init__(self, attempt: int) -> None:
+        self.attempt = attempt
+        self.passes = 0
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        shift = 0 if self.passes == 0 else self.attempt + 1
+        self.passes += 1
+        return (batch((index + shift) % BATCHES) for index in range(BATCHES))
+
+
 class Trainer(BaseTrainer):
     def __init__(self, args: argparse.Namespace, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -79,6 +94,8 @@ class Trainer(BaseTrainer):
     def build_data_loader(self) -> Any:
         if self.args.loader == "list":
             return [batch(i) for i in range(BATCHES)]
+        if self.args.loader == "drifting":
+            return DriftingLoader(self.attempt)
         return StatefulLoader(self.args.loader)
 
     def build_model(self) -> nn.Module:
@@ -126,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--loss-none-at", type=int, default=-1)
     parser.add_argument("--non-finite-at", type=int, default=-1)
     parser.add_argument("--plant", default="")
-    parser.add_argument("--loader", choices=("list", "stateful", "skipping", "forgetful"), default="list")
+    parser.add_argument("--loader", choices=("list", "stateful", "skipping", "forgetful", "drifting"), default="list")
     parser.add_argument("--load", choices=("latest", "none"), default="latest")
     args = parser.parse_args(argv)
     retries = 1 if args.non_finite_at > 0 else 0
