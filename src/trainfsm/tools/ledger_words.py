@@ -174,7 +174,21 @@ def positions_line(check: Check, change: str, stretches: list[coverage.Stretch],
         verdict = POSITIONS_BROKEN
     else:
         verdict = POSITIONS_ONCE
-    return f"all ranks, world size {change}: {'; '.join(parts)}: {verdict}"
+    return f"all ranks, world size {change}: {'; '.join(parts)}{_epoch_size(check)}: {verdict}"
+
+
+def _epoch_size(check: Check) -> str:
+    """``; an epoch trains positions 0-95 of the 100 of its order (whole global batches of 24)``, when
+    the epoch's end is not its order's end (or ``""``)."""
+    layouts = [s.r.layout for a in check.lineage for s in check.segments[a].values() if s.r.layout]
+    sizes = {(layout.get("epoch_samples"), layout.get("length"), layout.get("global_batch")) for layout in layouts}
+    if len(sizes) != 1:
+        return ""
+    ((samples, length, batch),) = sizes
+    if samples is None or length is None or samples == length:
+        return ""
+    why = f"whole global batches of {batch}" if batch else "as the sampler splits it"
+    return f"; an epoch trains positions 0-{samples - 1} of the {length} of its order ({why})"
 
 
 def _attempt_part(check: Check, a: int, stretches: list[coverage.Stretch]) -> str:
