@@ -154,6 +154,13 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=0, help="data loader worker processes per rank")
     parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per optimizer step over all ranks, kept when the run resumes on another number of ranks "
+        "(accumulation = it / (ranks x 32)); default: one batch of 32 per rank",
+    )
+    parser.add_argument(
         "--hidden",
         type=int,
         nargs=2,
@@ -187,6 +194,7 @@ def main() -> None:
         args.workers,
         tuple(args.hidden),
         max_steps=args.steps,
+        global_batch_size=args.global_batch_size,
         workspace=args.workspace,
         device=device,
         loss_none_agreement=args.loss_none_agreement,
