@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from trainfsm import data_order
+from trainfsm import data_order, rng
+from trainfsm.data_state import DataCursor, DataReshardError
 
 
 def loader(n: int, world: int, rank: int, batch: int, drop_last: bool = False, seed: int = 0) -> DataLoader[Any]:
@@ -26,10 +27,13 @@ def layout(n: int, world: int, rank: int, batch: int, global_batch: int | None, 
     return data_order.layout_of(loader(n, world, rank, batch, **kw), rank, world, accumulation, global_batch)
 
 
+STATE = rng.capture()  # a saved random state, as every checkpoint has
+
+
 def saved(position: tuple[int, int], at: data_order.Layout) -> dict[str, Any]:
     """A rank's saved data position, as ``data_state.capture`` writes it."""
     epoch, batches = position
-    return {"epoch": epoch, "batches": batches, "epoch_rng": None, "loader": None, "layout": at.as_event()}
+    return {"epoch": epoch, "batches": batches, "epoch_rng": STATE, "loader": None, "layout": at.as_event()}
 
 
 def drawn(n: int, world: int, rank: int, batch: int, epoch: int, begin: int, end: int) -> list[int]:
@@ -170,3 +174,62 @@ def test_the_property_fails_when_each_new_rank_continues_old_rank_0s_own_positio
     rng = random.Random(49)
     runs = [simulate(rng, rank0) for _ in range(200)]
     assert any(max(seen.values()) > 1 for _, counts, _, _ in runs for seen in counts.values())
+
+
+class Log:
+    def __init__(self) -> None:
+        self.records: list[tuple[str, dict[str, Any]]] = []
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self.records.append((event, fields))
+
+    info = debug
+
+
+def cursor(loader: Any, at: data_order.Layout, old: list[dict[str, Any]], reshard: str = "exact") -> DataCursor:
+    found = DataCursor()
+    found.attach(loader, None, Log(), at)
+    found.reshard = reshard
+    found.resume_later("auto", {"resize": old}, rng.seeded(1), "seeded 1")
+    return found
+
+
+def test_restore_on_another_size_positions_each_rank_on_its_own_share() -> None:
+    old = [saved((0, 6), layout(100, 4, r, 2, 24)) for r in range(4)]  # 48 samples into epoch 0
+    for rank in (0, 1):
+        new = loader(100, 2, rank, 2)
+        resumed = cursor(new, layout(100, 2, rank, 2, 24), old).start()
+        assert resumed is not None and (resumed.mode, resumed.batches, resumed.positioned) == ("sampler", 12, 12)
+        event = resumed.as_event()
+        assert (event["from_world_size"], event["global"], event["exact"], event["approximate"]) == (
+            4,
+            {"epoch": 0, "samples": 48},
+            True,
+            None,
+        )
+        order = torch.randperm(100, generator=torch.Generator().manual_seed(0)).tolist()
+        assert next(resumed.iterator).tolist() == [order[48 + rank], order[50 + rank]]
+
+
+def test_a_list_cannot_be_continued_on_another_size_and_restore_says_what_to_do() -> None:
+    batches = [torch.tensor([i]) for i in range(8)]
+    unknown = data_order.layout_of(batches, 0, 2, 1, None)
+    old = [saved((0, 3), unknown) for _ in range(1)]
+    with pytest.raises(
+        DataReshardError, match=r"saved by 1 rank\(s\) and this run has 2.*draws no torch DistributedSampler"
+    ):
+        cursor(batches, unknown, old).start()
+    resumed = cursor(batches, unknown, old, reshard="approximate").start()
+    assert resumed is not None and resumed.batches == 3  # old rank 0 mod 1's own position, replayed
+    assert resumed.as_event()["exact"] is False and "DistributedSampler" in resumed.as_event()["approximate"]
+
+
+def test_a_stateful_loader_on_another_size_replays_its_share() -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    old = [saved((0, 6), layout(100, 4, r, 2, 24)) for r in range(4)]
+    sampler = DistributedSampler(range(100), num_replicas=2, rank=1, shuffle=True, seed=0)
+    new = StatefulDataLoader(range(100), batch_size=2, sampler=sampler)  # type: ignore[arg-type]
+    resumed = cursor(new, data_order.layout_of(new, 1, 2, 6, 24), old).start()
+    assert resumed is not None and (resumed.mode, resumed.batches, resumed.positioned) == ("skip", 12, 12)
+    assert new.state_dict()["_num_yielded"] == 12  # its own count from the epoch's start: a later save is right

@@ -23,6 +23,7 @@ import torch
 
 from tests.distributed.launch import ROOT, Ranks, events, free_port, start_logged, torchrun_argv
 from tests.faults.elastic_restart import reap
+from trainfsm.tools import inspect_checkpoint
 
 WORKER = ROOT / "tests" / "distributed" / "reshard_worker.py"
 SAMPLES, GLOBAL, STEPS = 100, 24, 8  # two epochs of 4 steps
@@ -100,6 +101,8 @@ def test_4_then_2_then_3_ranks_train_each_sample_of_both_epochs_once(tmp_path: P
         (2, 6, 96),
         (3, 4, 96),
     ]
+    shown = inspect_checkpoint.render(inspect_checkpoint.inspect(workspace / "checkpoints" / str(STEPS)))
+    assert "global: 96 samples into epoch 1's order (DistributedSampler seed 0, 100 samples, 3 rank(s)" in shown
 
 
 def test_without_the_global_position_the_planted_resume_trains_samples_twice(tmp_path: Path) -> None:

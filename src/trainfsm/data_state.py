@@ -442,7 +442,7 @@ class DataCursor:
         if continuation.global_position is not None:
             # Positioned by this rank's own micro-batch count at the new size: the old loader state
             # is another rank's at another size, and the epoch's random state this rank's own.
-            saved = {**saved, "loader": None, "epoch_rng": rng_state}
+            saved = {**saved, "loader": None, "epoch_rng": rng_state or epoch_start(self.loader)}
             mode, _ = choose(mode, self.loader)
             if mode == "state":
                 mode = "skip"  # replayed, so a stateful loader's own state counts from the epoch's start
