@@ -105,6 +105,7 @@ def test_4_then_2_then_3_ranks_train_each_sample_of_both_epochs_once(tmp_path: P
     assert "global: 96 samples into epoch 1's order (DistributedSampler seed 0, 100 samples, 3 rank(s)" in shown
 
 
+@pytest.mark.slow
 def test_without_the_global_position_the_planted_resume_trains_samples_twice(tmp_path: Path) -> None:
     """The control: every new rank resuming old rank 0's own position (trainfsm before issue 49)."""
     workspace = tmp_path / "ws"
