@@ -265,7 +265,10 @@ def test_under_elastic_membership_the_node_left_after_a_loss_trains_on_alone(tmp
     agents = two_nodes.launch(tmp_path / "ws", tmp_path, "fast", nnodes="1:2", extra=("--global-batch-size", "64"))
     try:
         two_nodes.training(agents, 2)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "checkpoint_saved" for e in events(agents.workspace, 0)):  # a save to go on from
+            assert time.monotonic() < deadline, agents.output()
+            time.sleep(0.02)
         for pid in [*agents.workers(1), agents.procs[1].pid]:
             os.kill(pid, signal.SIGKILL)
         codes = agents.wait(time.monotonic() + 120)
