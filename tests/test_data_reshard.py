@@ -12,7 +12,6 @@ for the attempt that did it first (the checkpoint keeps the state before it).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -21,8 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.launch import ROOT, Ranks, events, free_port, start_logged, torchrun_argv
-from tests.faults.elastic_restart import reap
+from tests.distributed.launch import ROOT, Ranks, events, finish_logged, free_port, start_logged, torchrun_argv
 from trainfsm.tools import inspect_checkpoint
 
 WORKER = ROOT / "tests" / "distributed" / "reshard_worker.py"
@@ -38,12 +36,7 @@ def torchrun(workspace: Path, ranks: int, *args: str, timeout: float = 240) -> i
     command = [*torchrun_argv(), "--rdzv-backend", "static", "--master-port", str(free_port())]
     command += ["--nproc-per-node", str(ranks), "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1", str(WORKER)]
     process = start_logged([*command, "--workspace", str(workspace), *args], workspace.parent / "torchrun.log")
-    try:
-        return process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None
-    finally:
-        reap(process, set())
+    return finish_logged(process, timeout)
 
 
 def in_process(workspace: Path, ranks: int, *args: str, timeout: float = 240) -> dict[int, int | None]:
