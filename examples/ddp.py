@@ -88,10 +88,10 @@ class DDPTrainer(BaseTrainer):
             from torchdata.stateful_dataloader import StatefulDataLoader  # trainfsm[data]
 
             loader_type = StatefulDataLoader
-        if self.layout is None:
-            return loader_type(dataset, batch_size=32, shuffle=True, num_workers=self.workers)
-        # Each rank draws its own part of every epoch; the trainer calls sampler.set_epoch(epoch).
-        sampler = DistributedSampler(dataset, num_replicas=self.layout.world_size, rank=self.layout.rank, seed=0)
+        # Each rank draws its own part of every epoch (one process: all of it); the trainer calls
+        # sampler.set_epoch(epoch). The order depends on the seed and epoch alone, so a run resumed
+        # on another number of ranks goes on where it stood, each sample once.
+        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, seed=0)
         return loader_type(dataset, batch_size=32, sampler=sampler, num_workers=self.workers)
 
     def build_model(self) -> nn.Module:
@@ -154,6 +154,13 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=0, help="data loader worker processes per rank")
     parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per optimizer step over all ranks, kept when the run resumes on another number of ranks "
+        "(accumulation = it / (ranks x 32)); default: one batch of 32 per rank",
+    )
+    parser.add_argument(
         "--hidden",
         type=int,
         nargs=2,
@@ -187,6 +194,7 @@ def main() -> None:
         args.workers,
         tuple(args.hidden),
         max_steps=args.steps,
+        global_batch_size=args.global_batch_size,
         workspace=args.workspace,
         device=device,
         loss_none_agreement=args.loss_none_agreement,

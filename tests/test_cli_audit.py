@@ -293,7 +293,8 @@ def compact(tmp_path: Path) -> list[dict[str, Any]]:
     run(tmp_path / "real", steps=8, interval=4, gradient_accumulation_steps=2, batches=make_batches(16))
     lines = read_lines(trail(tmp_path / "real"))
     # Step 5, the first after the save, is verbatim: its batch fingerprint came in between.
-    assert [(e["first"], e["step"]) for e in lines if e["event"] == "steps"] == [(1, 3), (6, 7)]
+    # Step 1 is verbatim: it draws the first epoch's first batch (the ``epoch`` event, its fingerprint).
+    assert [(e["first"], e["step"]) for e in lines if e["event"] == "steps"] == [(2, 3), (6, 7)]
     return lines
 
 
@@ -335,12 +336,12 @@ def test_compact_steps_taken_from_another_state_are_illegal(
 def test_compact_steps_that_skip_a_step_are_a_gap(
     tmp_path: Path, compact: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    i = index_of(compact, event="steps", first=1)
-    compact[i]["first"], compact[i]["dt"] = 2, compact[i]["dt"][1:]  # step 1 is not in the trail
+    i = index_of(compact, event="steps", first=2)
+    compact[i]["first"], compact[i]["dt"] = 3, compact[i]["dt"][1:]  # step 2 is not in the trail
     path = write_lines(tmp_path / "events.rank0.jsonl", compact)
     code, report = audit_json(capsys, path)
     assert code == 3 and problems(report)[0] == ("gap", path.name, i + 1)
-    assert report["problems"][0]["message"] == "step jumps from 1 to 2 (step 1 missing)"
+    assert report["problems"][0]["message"] == "step jumps from 2 to 3 (step 2 missing)"
 
 
 def test_a_missing_compact_record_is_a_gap(
@@ -427,7 +428,7 @@ def test_a_resume_that_does_not_start_after_its_checkpoint_is_a_gap(
     events[i]["from_step"] = 2  # the restore event says 4
     path = write_lines(tmp_path / "events.rank0.jsonl", events)
     code, report = audit_json(capsys, path)
-    assert code == 3 and problems(report) == [("gap", path.name, i + 2)]  # at the restore event after it
+    assert code == 3 and problems(report) == [("gap", path.name, i + 3)]  # at the restore event after it
     assert "the checkpoint loaded was 2" in report["problems"][0]["message"]
 
 
@@ -586,7 +587,7 @@ def test_an_unknown_format_version_is_unreadable(
     base[0]["format"] = 99
     path = write_lines(tmp_path / "events.rank0.jsonl", base)
     code, _, err = cli(capsys, "audit", path)
-    assert code == 2 and f"{path}:1: events of format 99; this trainfsm reads formats 1, 2, 3 (it writes 3;" in err
+    assert code == 2 and f"{path}:1: events of format 99; this trainfsm reads formats 1, 2, 3, 4 (it writes 4;" in err
 
 
 def test_a_cut_off_last_line_is_noted_and_tolerated(

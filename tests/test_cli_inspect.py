@@ -45,6 +45,8 @@ def test_inspect_verifies_and_prints_the_contents(checkpoint: Path, capsys: pyte
     assert "param group 0: 2 parameters; lr=0.1, momentum=0" in out
     assert "lr_scheduler: none" in out
     assert "ranks: 1 (keys rng, data, loss_none_skips)" in out
+    assert "  data: epoch 0 micro-batch 4 (every rank)" in out
+    assert "    global: unknown (list draws no torch DistributedSampler" in out  # the run's batches are a list
     assert "hooks (hooks.pt): counting" in out
     assert "counting: {seen, buffer}" in out
 

@@ -85,11 +85,24 @@ class Trainer(BaseTrainer):
         return nn.functional.mse_loss(self.model(x.reshape(-1, 4)), y.reshape(-1, 1)), {}  # type: ignore[misc]
 
 
-def train(workspace: Path, make_loader: Callable[[], Any], steps: int, seed: int = 1, **hook: Any) -> Trainer:
+def train(
+    workspace: Path,
+    make_loader: Callable[[], Any],
+    steps: int,
+    seed: int = 1,
+    global_batch_size: int | None = None,
+    **hook: Any,
+) -> Trainer:
     hook.setdefault("interval", 10**9)  # only the last step is saved
     torch.manual_seed(seed)
     random.seed(seed)
-    trainer = Trainer(make_loader, CheckpointingHook(**hook), max_steps=steps, workspace=workspace)
+    trainer = Trainer(
+        make_loader,
+        CheckpointingHook(**hook),
+        max_steps=steps,
+        workspace=workspace,
+        global_batch_size=global_batch_size,
+    )
     trainer.train()
     return trainer
 
@@ -124,7 +137,8 @@ def test_a_map_style_dataloader_resumes_deep_in_the_epoch_without_loading_a_skip
 
     found = resumed_run(tmp_path, make, at=3000, total=3005)
     assert_exact(found, 3000)
-    assert loaders[-1].dataset.loads == 5 * 16  # type: ignore[attr-defined]  # only what the 5 resumed steps used
+    # Only what the 5 resumed steps used, and the batch after the final save, drawn for its fingerprint.
+    assert loaders[-1].dataset.loads == 6 * 16  # type: ignore[attr-defined]
     record = found["record"]
     assert (record["mode"], record["epoch"], record["batches"], record["positioned"]) == ("sampler", 0, 3000, 3000)
     assert "nothing is loaded" in record["why"]
@@ -402,3 +416,88 @@ def test_a_checkpoint_without_the_loaders_state_starts_a_fresh_iterator_and_says
     [record] = [e for e in trail if e["event"] == "data_resumed"]
     assert (record["mode"], record["batches"], record["positioned"]) == ("none", 0, 0)
     assert record["why"] == "the checkpoint has no data position for 'state' (saved with another data_resume)"
+
+
+class EpochStream(IterableDataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """An iterable dataset that shuffles by epoch, as WebDataset-style streams do."""
+
+    def __init__(self, n: int) -> None:
+        self.samples = Samples(n)
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(self.epochs[-1]))
+        return (self.samples[int(i)] for i in order)
+
+
+def test_an_iterable_dataset_with_set_epoch_is_told_each_epoch(tmp_path: Path) -> None:
+    datasets: list[EpochStream] = []
+
+    def make() -> DataLoader[Any]:
+        datasets.append(EpochStream(8))
+        return DataLoader(datasets[-1], batch_size=4)
+
+    trainer = train(tmp_path, make, 6)  # 2 batches an epoch: epochs 0, 1, 2
+    assert datasets[-1].epochs == [0, 1, 2]
+    assert trainer.seen[0:2] != trainer.seen[2:4]  # another order in each epoch
+
+
+def test_the_dataset_is_told_besides_a_distributed_sampler(tmp_path: Path) -> None:
+    told: list[int] = []
+
+    class Told(Samples):
+        def set_epoch(self, epoch: int) -> None:
+            told.append(epoch)
+
+    sampler = DistributedSampler(Told(8), num_replicas=1, rank=0, shuffle=True)
+    train(tmp_path, lambda: DataLoader(sampler.dataset, batch_size=4, sampler=sampler), 4)
+    assert told == [0, 1] and sampler.epoch == 1
+
+
+def test_a_run_that_leaves_after_a_save_records_the_batch_a_resume_must_draw_first(tmp_path: Path) -> None:
+    """Drawn after the state was captured and not trained: the resumed run's first batch is the same."""
+    trainer = train(tmp_path, lambda: DataLoader(Samples(40), batch_size=4, shuffle=True), 3)
+    assert len(trainer.seen) == 3  # the fingerprinted batch was not trained
+    train(tmp_path, lambda: DataLoader(Samples(40), batch_size=4, shuffle=True), 5)
+    fingerprints = [e for e in trail_events(tmp_path) if e["event"] == "batch_fingerprint"]
+    assert [(e["after"], e["from_step"], e["epoch"], e["batches"]) for e in fingerprints] == [
+        ("save", 3, 0, 4),
+        ("resume", 3, 0, 4),
+        ("save", 5, 0, 6),
+    ]
+    assert fingerprints[0]["fingerprint"] == fingerprints[1]["fingerprint"]
+
+
+def test_each_epochs_first_batch_is_fingerprinted(tmp_path: Path) -> None:
+    train(tmp_path, lambda: DataLoader(Samples(8), batch_size=4, shuffle=True), 5)
+    epochs = [e for e in trail_events(tmp_path) if e["event"] == "epoch"]
+    assert [(e["epoch"], e["step"]) for e in epochs] == [(0, 1), (1, 3), (2, 5)]
+    assert len({e["fingerprint"] for e in epochs}) == 3
+
+
+def test_global_batch_size_sets_the_accumulation_and_ends_each_epoch_at_its_last_full_global_batch(
+    tmp_path: Path,
+) -> None:
+    """10 samples, global batches of 4 (2 micro-batches of 2): 2 steps an epoch, 2 samples left out."""
+    sampler = DistributedSampler(Samples(10), num_replicas=1, rank=0, shuffle=True, seed=0)
+    torch.manual_seed(1)
+    trainer = Trainer(
+        lambda: DataLoader(sampler.dataset, batch_size=2, sampler=sampler),
+        CheckpointingHook(interval=10**9),
+        max_steps=4,
+        global_batch_size=4,
+        workspace=tmp_path,
+    )
+    trainer.train()
+    assert trainer.gradient_accumulation_steps == 2
+    for epoch, seen in enumerate((trainer.seen[:4], trainer.seen[4:])):
+        order = torch.randperm(10, generator=torch.Generator().manual_seed(epoch)).tolist()
+        assert [index for batch in seen for index in batch] == order[:8]
+
+
+def test_a_global_batch_size_the_loader_cannot_make_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"global_batch_size=5 is not a multiple of world_size 1 x .*batch_size 2"):
+        train(tmp_path, lambda: DataLoader(Samples(10), batch_size=2), 2, global_batch_size=5)

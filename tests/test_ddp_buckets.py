@@ -183,7 +183,7 @@ def test_a_model_whose_trainable_parameters_changed_is_not_primed_and_says_so(
 @pytest.mark.parametrize(
     ("ranks", "faults"),
     [
-        (3, ("kill", "signal")),
+        pytest.param(3, ("kill", "signal"), marks=pytest.mark.slow),  # fast tier: the in-process 3-rank cases
         pytest.param(4, ("signal",), marks=pytest.mark.slow),
         pytest.param(4, ("kill", "kill"), marks=pytest.mark.slow),
     ],

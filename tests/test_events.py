@@ -113,7 +113,7 @@ def test_file_order_is_time_order_across_transition_batches(make_trainer, events
     retry_at = names.index("non_finite:gradients")
     assert names[retry_at - 1] == "non_finite:ACCUMULATE>RETRY"
     assert names[retry_at + 1] == "retry:RETRY>ACCUMULATE"
-    assert names.count("epoch") == 10  # 8 batches per epoch, 82 drawn
+    assert names.count("epoch") == 11  # 8 batches per epoch, 82 drawn: epochs 0 to 10 began
 
 
 def test_all_transitions_are_flushed_when_train_raises(make_trainer, events):
@@ -139,9 +139,11 @@ def test_decision_events_reach_the_file_immediately(make_trainer, tmp_path):
         [
             "run_start",
             "built:BUILD>RESTORE",
+            "data_layout",
             "restore",
             "restored:RESTORE>STEP",
             "micro:STEP>ACCUMULATE",
+            "epoch",  # the first epoch's first batch (its fingerprint)
             "non_finite:ACCUMULATE>RETRY",
             "non_finite:gradients",
         ]

@@ -250,9 +250,11 @@ def test_fp16_scaler_skips_a_non_finite_step_without_retry(make_trainer, events)
     assert outline(events()) == [
         "run_start",
         "built:BUILD>RESTORE",
+        "data_layout",
         "restore",
         "restored:RESTORE>STEP",
         "micro:STEP>ACCUMULATE",
+        "epoch",  # the first epoch's first batch (its fingerprint)
         "stepped:ACCUMULATE>STEP",
         "micro:STEP>ACCUMULATE",
         "non_finite:scaler_skip",

@@ -25,6 +25,7 @@ ROOMS: dict[str, int] = {
     "utils": 0,
     "torch_workarounds": 0,
     "ddp_buckets": 0,  # a DDP's bucket layout across a resume (private torch API, in one place)
+    "data_order": 0,  # the global position in an epoch's order, across world sizes: arithmetic
     "plain_state": 0,
     "rng": 0,
     "step_info": 0,

@@ -34,14 +34,15 @@ def test_routine_steps_between_checkpoints_are_one_record_each_run(tmp_path: Pat
     train(tmp_path, 20, hooks=[CheckpointingHook(interval=8)], gradient_accumulation_steps=2)
     lines = raw_lines(tmp_path)
     steps = [(e["first"], e["step"], e["micro"], len(e["dt"])) for e in lines if e["event"] == "steps"]
-    assert steps == [(1, 7, 2, 7), (10, 15, 2, 6), (18, 19, 2, 2)]
-    # Steps 8 and 16 save (a checkpoint is not routine) and 20 finishes: verbatim, as before; so are
-    # 9 and 17, whose first batch is the data ledger's fingerprint after a save.
+    assert steps == [(2, 7, 2, 6), (10, 15, 2, 6), (18, 19, 2, 2)]
+    # Step 1 draws the first epoch's first batch (its ``epoch`` event); steps 8 and 16 save (a
+    # checkpoint is not routine) and 20 finishes: verbatim, as before; so are 9 and 17, whose
+    # first batch is the data ledger's fingerprint after a save.
     verbatim = [(e["step"], e["trigger"]) for e in lines if e["event"] == "transition" and e["step"] in (8, 20)]
     saved_at_8 = [(8, "micro"), (8, "micro"), (8, "save"), (8, "resume")]
     assert verbatim == [*saved_at_8, (20, "micro"), (20, "micro"), (20, "save"), (20, "finish")]
     stepped = [e["step"] for e in lines if e["event"] == "transition" and e["trigger"] == "stepped"]
-    assert stepped == [9, 17]
+    assert stepped == [1, 9, 17]  # 1: its first batch's ``epoch`` event (the fingerprint) is not routine
 
 
 def test_the_compact_form_expands_to_exactly_the_full_forms_transitions(tmp_path: Path) -> None:

@@ -259,12 +259,16 @@ def test_under_elastic_membership_a_killed_worker_restarts_both_nodes_and_comple
 @pytest.mark.slow
 def test_under_elastic_membership_the_node_left_after_a_loss_trains_on_alone(tmp_path: Path) -> None:
     """``--nnodes 1:2``: when node 1 is lost for good, node 0's agent forms a group of one and its
-    worker resumes from the last complete checkpoint at world size 1 (rank 0's data position), and
-    completes: the documented behaviour; not an uninterrupted two-node run's parameters."""
-    agents = two_nodes.launch(tmp_path / "ws", tmp_path, "fast", nnodes="1:2")
+    worker resumes from the last complete checkpoint at world size 1, at the saved global position
+    with the global batch kept (64: accumulation 1 at 2 ranks, 2 at 1), and completes, each sample
+    once (the data ledger, across the change of size); not an uninterrupted two-node run's bits."""
+    agents = two_nodes.launch(tmp_path / "ws", tmp_path, "fast", nnodes="1:2", extra=("--global-batch-size", "64"))
     try:
         two_nodes.training(agents, 2)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "checkpoint_saved" for e in events(agents.workspace, 0)):  # a save to go on from
+            assert time.monotonic() < deadline, agents.output()
+            time.sleep(0.02)
         for pid in [*agents.workers(1), agents.procs[1].pid]:
             os.kill(pid, signal.SIGKILL)
         codes = agents.wait(time.monotonic() + 120)
@@ -274,6 +278,11 @@ def test_under_elastic_membership_the_node_left_after_a_loss_trains_on_alone(tmp
     starts = [e for e in events(agents.workspace, 0) if e["event"] == "run_start"]
     assert [(e["world_size"], e["torchelastic"]["group"]) for e in starts] == [(2, 1), (1, 2)]
     assert two_nodes.last_attempt(agents.workspace, 0)[-1]["reason"] == "completed"
+    [resumed] = [e for e in events(agents.workspace, 0) if e["event"] == "data_resumed"]
+    assert (resumed["from_world_size"], resumed["exact"], resumed["approximate"]) == (2, True, None)
+    assert resumed["batches"] == resumed["global"]["samples"] // 32  # its own share: all of it, alone
+    layouts = [e for e in events(agents.workspace, 0) if e["event"] == "data_layout"]
+    assert [(e["world_size"], e["accumulation"]) for e in layouts] == [(2, 1), (1, 2)]
 
 
 @pytest.mark.faults

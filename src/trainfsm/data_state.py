@@ -36,7 +36,7 @@ from typing import Any, Final
 
 import torch
 
-from trainfsm import activity, rng
+from trainfsm import activity, data_order, rng
 
 MODES: Final = ("auto", "state", "sampler", "skip", "none")
 
@@ -113,23 +113,42 @@ def _restore_epoch_start(loader: Any, state: dict[str, Any]) -> None:
             generator.set_state(generator_state)
 
 
-def capture(loader: Any, epoch: int, batches: int, epoch_rng: dict[str, Any] | None) -> dict[str, Any]:
-    """This rank's data position, for the checkpoint."""
+def capture(
+    loader: Any,
+    epoch: int,
+    batches: int,
+    epoch_rng: dict[str, Any] | None,
+    layout: data_order.Layout | None = None,
+    layout_event: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """This rank's data position, for the checkpoint: its own (epoch, micro-batches drawn, the
+    random state that decided the epoch's order, the loader's state) and, where the order is
+    known, the global one (``trainfsm.data_order``) with the layout that maps one to the other."""
+    exact = layout is not None and layout.exact
     return {
         "epoch": epoch,
         "batches": batches,
         "epoch_rng": epoch_rng,
         "loader": loader.state_dict() if has_state(loader) else None,
+        "layout": layout_event,
+        "global": {"epoch": epoch, "samples": layout.samples(batches)} if exact else None,  # type: ignore[union-attr]
     }
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
-    """Tell a distributed sampler (or a loader that knows epochs) which epoch this is."""
+    """Tell a distributed sampler (or a loader that knows epochs) which epoch this is, and the
+    dataset too when it has ``set_epoch`` of its own (an iterable dataset that shuffles by epoch)."""
+    told: list[Any] = []
     for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
         method = getattr(owner, "set_epoch", None)
         if callable(method):
             method(epoch)
-            return
+            told.append(owner)
+            break
+    dataset = getattr(loader, "dataset", None)
+    method = getattr(dataset, "set_epoch", None)
+    if callable(method) and all(dataset is not owner for owner in told):
+        method(epoch)
 
 
 def _batches(indices: Iterator[Any], size: int, drop_last: bool) -> Iterator[list[Any]]:
@@ -238,6 +257,7 @@ class Resumed:
     why: str
     positioned: int  # batches skipped ("sampler") or replayed ("skip") to get there
     seconds: float
+    sizes: dict[str, Any] | None = None  # the world sizes and global position (``DataCursor.start``)
 
     def as_event(self) -> dict[str, Any]:
         """The ``data_resumed`` event's fields (less ``epoch``): how, why, and what it cost."""
@@ -247,7 +267,13 @@ class Resumed:
             "batches": self.batches,
             "positioned": self.positioned,
             "seconds": round(self.seconds, 6),
+            **(self.sizes or {}),
         }
+
+
+class DataReshardError(RuntimeError):
+    """A resume on another number of ranks cannot train each sample once, and the user did not
+    accept an approximation."""
 
 
 def resume(loader: Iterable[Any], mode: str, saved: dict[str, Any]) -> Resumed:
@@ -329,24 +355,47 @@ class DataCursor:
         self.loader: Iterable[Any] | None = None
         self.max_epochs: int | None = None
         self.log: Any = None  # the trail's logger (an ``epoch`` event at each new epoch)
+        self.layout: data_order.Layout | None = None
+        self._layout_event: dict[str, Any] | None = None
+        #: Micro-batches per epoch when the trainer ends epochs itself (``global_batch_size`` over a
+        #: visible order: at the last full global batch); None: where the iterator ends.
+        self.limit: int | None = None
         self.epoch = 0
         self.batches = 0  # drawn in this epoch
         self.epoch_rng: dict[str, Any] | None = None
         self.iterator: Iterator[Any] | None = None
-        self._resume: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
+        self._resume: tuple[str, dict[str, Any], dict[str, Any] | None, str] | None = None
+        #: On another world size, when the position cannot be continued exactly: "exact" (an
+        #: error) or "approximate" (``CheckpointingHook(data_reshard=...)``).
+        self.reshard = "exact"
         self.saved = False  # state() was taken since the last fingerprint (``fingerprint_after_save``)
+        self._pending: list[tuple[str, int | None]] = []  # fingerprints the next draw records
 
-    def attach(self, loader: Iterable[Any], max_epochs: int | None, log: Any) -> None:
+    def attach(
+        self, loader: Iterable[Any], max_epochs: int | None, log: Any, layout: data_order.Layout | None = None
+    ) -> None:
         self.loader, self.max_epochs, self.log = loader, max_epochs, log
+        self.layout = layout
+        self._layout_event = layout.as_event() if layout is not None else None
+        if layout is not None and layout.exact and layout.global_batch is not None:
+            self.limit = layout.epoch_batches
 
     def state(self) -> dict[str, Any]:
         """This rank's data position (epoch, batches drawn, epoch random state, loader state)."""
         self.saved = True  # a checkpoint takes it: the batch after it gets a fingerprint
-        return capture(self.loader, self.epoch, self.batches, self.epoch_rng)
+        return capture(self.loader, self.epoch, self.batches, self.epoch_rng, self.layout, self._layout_event)
 
-    def resume_later(self, mode: str, saved: dict[str, Any], rng_state: dict[str, Any] | None) -> None:
-        """Have ``start`` position the iterator as ``saved`` says, then restore ``rng_state``."""
-        self._resume = (mode, saved, rng_state)
+    def resume_later(
+        self,
+        mode: str,
+        saved: dict[str, Any],
+        rng_state: dict[str, Any] | None,
+        rng_how: str = "this rank's own",
+    ) -> None:
+        """Have ``start`` position the iterator as ``saved`` says, then restore ``rng_state``.
+        ``saved`` may be ``{"resize": [every old rank's position]}`` (another world size):
+        ``reshard`` says whether a position that cannot be continued exactly is an error."""
+        self._resume = (mode, saved, rng_state, rng_how)
 
     def start(self) -> Resumed | None:
         """RESTORE's last work: the iterator, positioned when a checkpoint said where (returned,
@@ -354,31 +403,69 @@ class DataCursor:
         loader draws the order it drew before."""
         if self._resume is None:
             self.iterator = self._new_iterator()
+            self.fingerprint_next("epoch", None)  # the data ledger names where a resumed loader really began
             return None
-        mode, saved, rng_state = self._resume
+        mode, saved, rng_state, rng_how = self._resume
+        sizes: dict[str, Any] = {"from_world_size": None, "global": saved.get("global"), "exact": True}
+        if "resize" in saved:
+            mode, saved, sizes = self._continuation(mode, saved["resize"], rng_state, self.reshard)
+        elif self.layout is not None:
+            sizes["from_world_size"] = self.layout.world_size
         resumed = resume(self.loader, mode, saved)  # type: ignore[arg-type]
         self.iterator, self.batches, self.epoch_rng = resumed.iterator, resumed.batches, resumed.epoch_rng
         if rng_state is not None:
             rng.restore(rng_state)
-        return resumed
+        return Resumed(
+            **{**resumed.__dict__, "sizes": {**sizes, "approximate": sizes.get("approximate"), "rng": rng_how}}
+        )
+
+    def _continuation(
+        self, mode: str, old: list[dict[str, Any]], rng_state: dict[str, Any] | None, reshard: str
+    ) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """The mode and per-rank position that continue ``old`` (every old rank's position) at
+        this world size (``trainfsm.data_order``); a DataReshardError when that is not exact and
+        ``reshard`` is "exact"."""
+        layout = self.layout
+        assert layout is not None
+        continuation = data_order.continue_at(old, layout)
+        sizes = {"from_world_size": len(old), **continuation.as_event(), "approximate": None}
+        if not continuation.exact:
+            if reshard != "approximate":
+                raise DataReshardError(
+                    f"the checkpoint was saved by {len(old)} rank(s) and this run has {layout.world_size}; its data "
+                    f"position cannot be continued with each sample trained once: {continuation.reason}. Resume on "
+                    f'{len(old)} rank(s), or pass CheckpointingHook(data_reshard="approximate") to continue '
+                    f"anyway (the trail records it and `trainfsm audit` notes it)."
+                )
+            sizes["approximate"] = continuation.reason
+        saved = continuation.data
+        if continuation.global_position is not None:
+            # Positioned by this rank's own micro-batch count at the new size: the old loader state
+            # is another rank's at another size, and the epoch's random state this rank's own.
+            saved = {**saved, "loader": None, "epoch_rng": rng_state or epoch_start(self.loader)}
+            mode, _ = choose(mode, self.loader)
+            if mode == "state":
+                mode = "skip"  # replayed, so a stateful loader's own state counts from the epoch's start
+        return mode, saved, sizes
 
     def next(self) -> Any:
         """The next batch, into the next epoch when one ends; ``EXHAUSTED`` after ``max_epochs``."""
-        try:
-            batch = next(self.iterator)  # type: ignore[arg-type]
-            self.batches += 1
-            return batch
-        except StopIteration:
-            pass
+        if self.batches != self.limit:  # None (no limit) is never equal
+            try:
+                batch = next(self.iterator)  # type: ignore[arg-type]
+                self.batches += 1
+                return batch
+            except StopIteration:
+                pass
         if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
             return EXHAUSTED  # the iterator stays open at its end: a checkpoint records that position
         close_iterator(self.iterator, epoch_end=True)
         self.epoch += 1
-        self.log.debug("epoch", epoch=self.epoch)
         self.iterator = self._new_iterator()
         try:
             batch = next(self.iterator)
             self.batches += 1
+            self.log.debug("epoch", epoch=self.epoch, fingerprint=fingerprint(batch))  # its first batch's
             return batch
         except StopIteration:
             raise RuntimeError(
@@ -398,27 +485,53 @@ class DataCursor:
             self.saved = False
             self.fingerprint_next("save", step)
 
-    def fingerprint_next(self, after: str, step: int) -> None:
-        """Have the next draw record a ``batch_fingerprint`` (``after``: ``"save"`` or ``"resume"``
-        of the checkpoint of ``step``). The data ledger compares the batch a resumed run draws first
-        with the one the saving run drew after that save: equal unless the loader resumed elsewhere.
-        Only that one draw pays: ``next`` is replaced on this instance and puts itself back."""
+    def fingerprint_at_exit(self, step: int) -> None:
+        """Leaving CHECKPOINT for EXIT after a save (preemption, the deadline, the last step): draw
+        the batch a resume from it must draw first, fingerprint it, and drop it (it is not trained;
+        the checkpoint holds the position before it). Within the epoch only: a new epoch's
+        iterator (and its workers) is not started for it. A loader that fails here costs the
+        trail this one fingerprint, never the run."""
+        if not self.saved or self.iterator is None:
+            return
+        self.saved = False
+        if self.batches == self.limit:
+            return
+        try:
+            batch = next(self.iterator)
+        except Exception:  # StopIteration (the epoch's end) or the loader's own failure
+            return
+        self._record(batch, [("save", step)], self.batches + 1)
+
+    def fingerprint_next(self, after: str, step: int | None) -> None:
+        """Have the next draw record a ``batch_fingerprint`` (``after``: ``"save"``, ``"resume"``
+        or ``"epoch"``; ``step``: the checkpoint's; None for an epoch's first batch).
+        The data ledger compares the batch a resumed run draws first with the one the saving run
+        drew after that save: equal unless the loader resumed elsewhere. Only that one draw pays:
+        ``next`` is replaced on this instance and puts itself back."""
+        self._pending.append((after, step))
+        if len(self._pending) > 1:
+            return
 
         def once() -> Any:
             del self.next  # the class's again
             batch = self.next()
-            if batch is not EXHAUSTED:  # INFO: written at once, so a kill soon after does not lose it
-                self.log.info(
-                    "batch_fingerprint",
-                    after=after,
-                    from_step=step,
-                    epoch=self.epoch,
-                    batches=self.batches,
-                    fingerprint=fingerprint(batch),
-                )
+            pending, self._pending = self._pending, []
+            if batch is not EXHAUSTED:
+                self._record(batch, pending, self.batches)
             return batch
 
         self.next = once  # type: ignore[method-assign]
+
+    def _record(self, batch: Any, pending: list[tuple[str, int | None]], batches: int) -> None:
+        digest = fingerprint(batch)
+        for after, step in pending:
+            if after == "epoch":  # the first epoch's first batch, as each new epoch's (``next``)
+                self.log.debug("epoch", epoch=self.epoch, fingerprint=digest)
+                continue
+            # INFO: written at once, so a kill soon after does not lose it
+            self.log.info(
+                "batch_fingerprint", after=after, from_step=step, epoch=self.epoch, batches=batches, fingerprint=digest
+            )
 
     def _new_iterator(self) -> Iterator[Any]:
         set_epoch(self.loader, self.epoch)

@@ -56,7 +56,12 @@ def capture(trainer: BaseTrainer, options: Any, data: DataCursor, hooks: Hooks) 
 
 
 def restore(
-    trainer: BaseTrainer, options: Any, data: DataCursor, state: dict[str, Any], data_resume: str, hooks: Hooks
+    trainer: BaseTrainer,
+    options: Any,
+    data: DataCursor,
+    state: dict[str, Any],
+    data_resume: str,
+    hooks: Hooks,
 ) -> None:
     model, optimizer = built(trainer, "load_state_dict")
     options = options if options is not None else trainer.state_dict_options
@@ -75,8 +80,10 @@ def restore(
     mine = state.get("rank_state")
     if mine is not None and data_resume == "none":
         rng.restore(mine["rng"])
-    elif mine is not None:
-        data.resume_later(data_resume, mine["data"], mine["rng"])
+    elif mine is not None and mine.get("data") is not None:
+        data.resume_later(data_resume, mine["data"], mine["rng"], mine.get("rng_how", "this rank's own"))
+    elif mine is not None:  # another world size, and an old rank saved no position: a fresh pass
+        rng.restore(mine["rng"])
     run = trainer._run
     if run is not None and run.buckets:  # RESTORE, every rank at once: DDP gets the saved layout
         ddp_buckets.prime_all(run.buckets, state.get("ddp_buckets"), trainer.step, trainer.events)

@@ -39,10 +39,24 @@ def capture() -> dict[str, Any]:
     return state
 
 
+def seeded(seed: int) -> dict[str, Any]:
+    """A state like ``capture``'s for streams started from ``seed`` (a rank the saving run did
+    not have, ``trainfsm.data_order.derived_seed``); ``restore`` seeds CUDA and numpy from it."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return {"python": random.Random(seed).getstate(), "torch": generator.get_state(), "seed": seed}
+
+
 def restore(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
+    if "seed" in state:  # ``seeded``: the other generators start from the same seed
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(state["seed"])
+        loaded = sys.modules.get("numpy")  # only if someone uses it, as in ``capture``
+        if loaded is not None:
+            loaded.random.seed(state["seed"] % 2**32)
     if "cuda" in state and torch.cuda.is_available():
         states = state["cuda"]
         for device in range(min(len(states), torch.cuda.device_count())):

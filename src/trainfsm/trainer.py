@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainfsm import ddp_buckets, resume
+from trainfsm import data_order, ddp_buckets, resume
 from trainfsm import machine as fsm
 from trainfsm import options as check
 from trainfsm.collectives import LossNoneAgreement, LossNoneWarning, loss_none_ranks
@@ -104,6 +104,12 @@ class BaseTrainer(fsm.Triggers):
       fp16 grad scaler, its skip-and-rescale applies instead).
     - ``mixed_precision``: None, ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a grad scaler).
     - ``gradient_accumulation_steps``: micro-batches per optimizer step (default 1).
+    - ``global_batch_size``: samples per optimizer step over all ranks, kept at any world size:
+      BUILD sets ``gradient_accumulation_steps`` to it / (world size x the data loader's
+      ``batch_size``), an error when that is not whole (or contradicts a
+      ``gradient_accumulation_steps`` given too). Over a ``DistributedSampler``, each epoch then
+      ends at its last full global batch, so that a run resumed on another number of ranks
+      trains each sample once (``trainfsm.data_order``). None (default): not stated.
     - ``workspace``: the run's directory: the audit trail (``logs/``), checkpoints and other
       hooks' files go under it; None: the trail goes to the console only.
     - ``device``: where the model runs (default: CUDA when available, else CPU).
@@ -141,6 +147,7 @@ class BaseTrainer(fsm.Triggers):
         max_non_finite_grad_retries: int | None = None,
         mixed_precision: str | None = None,
         gradient_accumulation_steps: int | None = None,
+        global_batch_size: int | None = None,
         workspace: Path | str | None = None,
         device: torch.device | str | int | None = None,
         no_sync_accumulate: bool = True,
@@ -163,6 +170,8 @@ class BaseTrainer(fsm.Triggers):
         self.gradient_accumulation_steps: int = (
             check.positive_int("gradient_accumulation_steps", gradient_accumulation_steps, allow_none=True) or 1
         )
+        self.global_batch_size = check.positive_int("global_batch_size", global_batch_size, allow_none=True)
+        self._accumulation_given = gradient_accumulation_steps is not None
         self.workspace = check.workspace(workspace)
         self.device = check.device(device)
         self.no_sync_accumulate = check.boolean("no_sync_accumulate", no_sync_accumulate)
@@ -354,7 +363,7 @@ class BaseTrainer(fsm.Triggers):
         self.hooks = list(check.built("build_hooks", self.build_hooks(), (list, tuple)))
         for hook in self.hooks:
             check.built("build_hooks", hook, BaseHook)
-        self._data.attach(self.data_loader, self.max_epochs, self.events)
+        self._data.attach(self.data_loader, self.max_epochs, self.events, self._data_layout())
         run.warn_loss_none = is_distributed_wrapper(self.model)
         run.buckets = ddp_buckets.watch(self.model, self.world_size, self.events)
         run.stepper = Stepper.for_trainer(self, run.agreement)
@@ -365,6 +374,9 @@ class BaseTrainer(fsm.Triggers):
     def _restore(self) -> Callable[[], bool]:
         # Hooks (the checkpoint hook) restored state in on_enter_restore.
         run: Run = self._run  # type: ignore[assignment]
+        # How this rank's micro-batches map onto each epoch's order (the data ledger's key): DEBUG,
+        # for the file, which the INFO ``restore`` after it writes at once.
+        self.events.debug("data_layout", **self._data.layout.as_event())  # type: ignore[union-attr]
         self.events.info("restore", resumed=self.step > 0, from_step=self.step)
         if self.step >= self.max_steps:  # resumed from a finished run: nothing left to do
             self.exit_reason, self.exit_code = ExitReason.COMPLETED, 0
@@ -488,6 +500,8 @@ class BaseTrainer(fsm.Triggers):
         trigger = fsm.checkpoint_trigger(self.exit_reason)
         if trigger == "resume":  # the batch after a save: a resume from it must draw the same one
             self._data.fingerprint_after_save(self.step)
+        else:  # leaving after a save: the batch a resume must draw first, drawn now and dropped
+            self._data.fingerprint_at_exit(self.step)
         return run.triggers[trigger]
 
     def _enter_exit(self) -> None:
@@ -508,6 +522,21 @@ class BaseTrainer(fsm.Triggers):
         self.events.info("exit", reason=self.exit_reason, code=self.exit_code)
 
     # ---------------------------------------------------------------- data
+    def _data_layout(self) -> data_order.Layout:
+        """How this rank's micro-batches map onto each epoch's order; with ``global_batch_size``,
+        the accumulation that keeps it at this world size (BUILD, before the stepper exists)."""
+        loader, world, given = self.data_loader, self.world_size, self.gradient_accumulation_steps
+        if self.global_batch_size is not None:
+            derived = data_order.accumulation_for(self.global_batch_size, data_order.batch_size(loader), world)
+            if self._accumulation_given and derived != given:
+                raise ValueError(
+                    f"global_batch_size={self.global_batch_size} on {world} rank(s) of batch_size "
+                    f"{data_order.batch_size(loader)} means gradient_accumulation_steps={derived}, but "
+                    f"gradient_accumulation_steps={given} was given: pass one of the two."
+                )
+            self.gradient_accumulation_steps = derived
+        return data_order.layout_of(loader, self.rank, world, self.gradient_accumulation_steps, self.global_batch_size)
+
     @property
     def epoch(self) -> int:
         """The data epoch (0-based); saved in checkpoints with ``step``."""
@@ -526,9 +555,10 @@ class BaseTrainer(fsm.Triggers):
         return resume.capture(self, options, self._data, self._hooks())
 
     def load_state_dict(self, state: dict[str, Any], options: Any = None, data_resume: str = "auto") -> None:
-        """The inverse of ``state_dict``. A ``rank_state`` entry (this rank's, or rank 0's on
-        another world size) puts the random streams back and has RESTORE position the data
-        iterator as ``data_resume`` says (``trainfsm.data_state``; "none": a fresh iterator)."""
+        """The inverse of ``state_dict``. A ``rank_state`` entry puts the random streams back and
+        has RESTORE position the data iterator as ``data_resume`` says (``trainfsm.data_state``;
+        "none": a fresh iterator); one made for another world size (``data_order.other_size``)
+        continues the saving run's global position (``CheckpointingHook(data_reshard=...)``)."""
         resume.restore(self, options, self._data, state, data_resume, self._hooks())
 
     def unwrap(self, model: nn.Module) -> nn.Module:

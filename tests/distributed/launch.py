@@ -177,6 +177,19 @@ def start_logged(
         )
 
 
+def finish_logged(process: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """Wait for a ``start_logged`` process; its exit code, or None when it ran past ``timeout``.
+    Its whole tree is reaped either way (workers run in sessions of their own)."""
+    from tests.faults.elastic_restart import reap
+
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        reap(process, set())
+
+
 def run_command(argv: Sequence[str], timeout: float, env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
     """Run ``argv`` (e.g. torchrun and its workers) in its own process group; (exit code, output).
     At the deadline the whole group is killed and the code is None."""

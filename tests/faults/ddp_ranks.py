@@ -31,7 +31,15 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.distributed.launch import ROOT, audit_problems, events, free_port, start_logged, torchrun_argv
+from tests.distributed.launch import (
+    ROOT,
+    audit_problems,
+    events,
+    finish_logged,
+    free_port,
+    start_logged,
+    torchrun_argv,
+)
 from tests.faults.elastic_restart import reap, workers
 
 EXAMPLE = ROOT / "examples" / "ddp.py"
@@ -61,13 +69,7 @@ def launch(workspace: Path, log: Path, ranks: int) -> subprocess.Popen[bytes]:
 
 def finish(workspace: Path, log: Path, ranks: int) -> int | None:
     """Launch and wait for the end; torchrun's exit code (None: timed out, killed)."""
-    process = launch(workspace, log, ranks)
-    try:
-        return process.wait(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return None
-    finally:
-        reap(process, set())
+    return finish_logged(launch(workspace, log, ranks), LAUNCH_TIMEOUT)
 
 
 def reference(directory: Path, ranks: int) -> dict[str, Any]:

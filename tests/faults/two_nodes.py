@@ -117,6 +117,7 @@ def launch(
     nnodes: str = "2",
     max_restarts: int = 2,
     forward: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> Agents:
     steps, interval, seconds = PACES[pace]
     port = free_port()
@@ -145,6 +146,7 @@ def launch(
             str(seconds),
             "--timeout",
             str(GROUP_TIMEOUT),
+            *extra,
         ]
         agents.procs.append(start_logged(command, agents.log(node)))
         if node == 0:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm import activity, collectives
+from trainfsm import activity, collectives, data_order
 from trainfsm.checkpoint.io import hex_of, tensor_bytes
 from trainfsm.checkpoint.manifest import MANIFEST
 from trainfsm.checkpoint.store import TRAINFSM, TRAINLOOP, CheckpointError, CheckpointStore, foreign_in_the_way
@@ -145,7 +145,12 @@ def model_shapes(trainer: BaseTrainer) -> dict[str, Any]:
 
 
 def restore(
-    trainer: BaseTrainer, store: CheckpointStore, load: Path | str, data_resume: str, current: dict[str, Any]
+    trainer: BaseTrainer,
+    store: CheckpointStore,
+    load: Path | str,
+    data_resume: str,
+    current: dict[str, Any],
+    data_reshard: str = "exact",
 ) -> Path | None:
     """Load ``load`` (``"latest"``, or a path, relative ones first under the store) into ``trainer``;
     the path loaded, or None when ``"latest"`` found nothing that loads."""
@@ -159,7 +164,7 @@ def restore(
             except CheckpointError as exc:
                 trainer.events.warning("checkpoint_skipped", path=str(path), reason=str(exc))
                 continue
-            _apply(trainer, path, manifest, parts, current, data_resume)
+            _apply(trainer, path, manifest, parts, current, data_resume, data_reshard)
             return path
         return None
     path = Path(load)
@@ -169,7 +174,7 @@ def restore(
         if target is not None:  # "best" where pointers are one-line files (no symlinks there)
             path = store.root / target
     manifest, parts = _verified(trainer, path)
-    _apply(trainer, path, manifest, parts, current, data_resume)
+    _apply(trainer, path, manifest, parts, current, data_resume, data_reshard)
     if trainer.rank == 0:
         _warn_if_older(trainer, store, path, load)
     return path
@@ -272,6 +277,7 @@ def _apply(
     parts: dict[str, Any],
     current: dict[str, Any],
     data_resume: str,
+    data_reshard: str = "exact",
 ) -> None:
     written_by = manifest.get("written_by", TRAINFSM)
     if written_by == TRAINLOOP:
@@ -279,11 +285,14 @@ def _apply(
     else:
         state = {**parts.get("model", {}), **parts.get("training_state", {}), **parts.get("hooks", {})}
     ranks = state.pop("ranks", None)
-    if ranks:  # each rank resumes its own random streams and data; on another world size, rank 0's
-        state["rank_state"] = ranks[trainer.rank] if trainer.rank < len(ranks) else ranks[0]
+    if ranks and len(ranks) == trainer.world_size:  # each rank resumes its own random streams and data
+        state["rank_state"] = ranks[trainer.rank]
+    elif ranks:  # another world size: the data position is continued from every old rank's
+        state["rank_state"] = data_order.other_size(ranks, trainer.rank)
+        trainer._data.reshard = data_reshard  # what RESTORE does if it cannot continue it exactly
     sharded = bool(manifest.get("sharded"))
     if sharded:
-        _load_sharded(trainer, path, state, current, data_resume)
+        _load_sharded(trainer, path, state, current, data_resume, data_reshard)
     else:
         check_fits(path, current, state["model"])
         trainer.load_state_dict(state, data_resume=data_resume)
@@ -317,7 +326,12 @@ def manifest_checksum(path: Path, manifest: dict[str, Any]) -> str | None:
 
 
 def _load_sharded(
-    trainer: BaseTrainer, path: Path, state: dict[str, Any], current: dict[str, Any], data_resume: str
+    trainer: BaseTrainer,
+    path: Path,
+    state: dict[str, Any],
+    current: dict[str, Any],
+    data_resume: str,
+    data_reshard: str = "exact",
 ) -> None:
     """Model and optimizer in place with DCP (each rank reads what its shards need, whatever the
     world size that saved them), then the rest through ``trainer.load_state_dict``."""

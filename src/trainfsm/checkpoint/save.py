@@ -257,15 +257,20 @@ def log_saved(trainer: BaseTrainer, saved: Saved, blocked: float | None, world: 
 
 def data_positions(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The data ledger's entry for a save (``checkpoint_saved.data``): the position each rank saved,
-    as (epoch, batches drawn in it); ``{"epoch": e, "batches": b}`` when every rank saved the same,
-    else ``{"ranks": [[e, b], ...]}`` in rank order. ``trainfsm audit`` checks that each resume
+    as (epoch, batches drawn in it); ``{"epoch": e, "batches": b}`` when every rank saved the same
+    (with ``global``: ``{epoch, samples, world_size}``, the position in the epoch's order, where the
+    ranks' order is known), else ``{"ranks": [[e, b], ...]}`` in rank order. ``trainfsm audit`` checks that each resume
     restores exactly this, so that every batch is trained once across attempts."""
     found = [(int(r["data"]["epoch"]), int(r["data"]["batches"])) for r in ranks if r.get("data") is not None]
     if not found or len(found) != len(ranks):
         return None
-    if len(set(found)) == 1:
-        return {"epoch": found[0][0], "batches": found[0][1]}
-    return {"ranks": [list(position) for position in found]}
+    if len(set(found)) > 1:
+        return {"ranks": [list(position) for position in found]}
+    # Where every rank maps its position onto the epoch's order (trainfsm.data_order), the same one.
+    positions = [r["data"].get("global") for r in ranks]
+    same = positions[0] is not None and all(p == positions[0] for p in positions)
+    entry: dict[str, Any] = {"epoch": found[0][0], "batches": found[0][1]}
+    return {**entry, "global": {**positions[0], "world_size": len(ranks)}} if same else entry
 
 
 def saves_sharded(trainer: BaseTrainer, current: dict[str, Any], setting: bool | str) -> bool:

@@ -13,7 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from trainfsm import collectives, data_state
+from trainfsm import collectives, data_order, data_state
 from trainfsm.checkpoint.background import BackgroundSaves
 from trainfsm.checkpoint.io import check_checksum
 from trainfsm.checkpoint.restore import (
@@ -47,6 +47,12 @@ class CheckpointingHook(BaseHook):
     ``requeue`` (``"auto"``: inside a SLURM batch job) puts the SLURM job back in the queue once
     the checkpoint is durable, at most ``max_requeues`` times (counted by SLURM_RESTART_COUNT).
     ``data_resume`` says how the data iterator gets back to where it was (see ``trainfsm.data_state``).
+    ``data_reshard`` says what a resume on another number of ranks does when it cannot continue
+    the data with each sample trained once (``trainfsm.data_order``: it can for a ``DataLoader``
+    over a ``DistributedSampler`` whose global position divides by the new size): ``"exact"``
+    (default) stops in RESTORE with the reason; ``"approximate"`` goes on (from the position
+    rounded down, or each new rank from old rank ``rank mod old size``'s own) and the trail's
+    ``data_resumed`` records why it is not exact.
     ``async_save`` stages the state to CPU memory and writes it on a background thread while
     training goes on: at most one save in flight, a failure raises at the next step or at EXIT, and
     EXIT waits until the last save is durable (the job's end under SLURM plans for that wait, with
@@ -104,6 +110,7 @@ class CheckpointingHook(BaseHook):
         sharded: bool | Literal["auto"] = "auto",
         direct_io: bool | Literal["auto"] = "auto",
         checksum: Literal["xxh3_128", "sha256"] = "xxh3_128",
+        data_reshard: Literal["exact", "approximate"] = "exact",
     ) -> None:
         self.interval = int_at_least("CheckpointingHook interval", interval, 1)
         self.keep_previous = int_at_least("CheckpointingHook keep_previous", keep_previous, 0)
@@ -125,6 +132,11 @@ class CheckpointingHook(BaseHook):
         self.exit_wait = self.exit_policy.wait
         _check_modes(data_resume, sharded, direct_io)
         self.data_resume, self.sharded, self.direct_io = data_resume, sharded, direct_io
+        if data_reshard not in data_order.RESHARD_MODES:
+            raise ValueError(
+                f"CheckpointingHook data_reshard must be one of {data_order.RESHARD_MODES}; got {data_reshard!r}."
+            )
+        self.data_reshard = data_reshard
         self.async_save = async_save
         self.saves_sharded = False  # decided in RESTORE, from the model and the trainer's options
         self.store: CheckpointStore | None = None
@@ -142,7 +154,7 @@ class CheckpointingHook(BaseHook):
         current = model_shapes(trainer)
         self.saves_sharded = saves_sharded(trainer, current, self.sharded)
         if self.load is not None:
-            loaded = restore(trainer, store, self.load, self.data_resume, current)
+            loaded = restore(trainer, store, self.load, self.data_resume, current, self.data_reshard)
             if loaded is not None:
                 self.loaded_from = loaded
                 self._step_in_store = trainer.step

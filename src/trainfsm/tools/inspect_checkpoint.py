@@ -191,9 +191,33 @@ def _render_training_state(state: dict[str, Any]) -> list[str]:
     if isinstance(ranks, list):
         inner = _keys(ranks[0]) if ranks and isinstance(ranks[0], dict) else ""
         lines.append(f"  ranks: {len(ranks)} ({inner})")
+        lines.extend(_render_data(ranks))
     others = [k for k in state if k not in (*_SCALARS, "optimizer", "lr_scheduler", "grad_scaler", "ranks")]
     if others:
         lines.append(f"  other keys: {', '.join(others)}")
+    return lines
+
+
+def _render_data(ranks: list[Any]) -> list[str]:
+    """Where the data stood: each rank's own position, and the global one that another number of
+    ranks continues from (``trainfsm.data_order``)."""
+    data: list[dict[str, Any]] = [entry["data"] for entry in ranks if isinstance((entry or {}).get("data"), dict)]
+    if not data or len(data) != len(ranks):
+        return ["  data: no position saved"]
+    positions = sorted({(d["epoch"], d["batches"]) for d in data})
+    own = ", ".join(f"epoch {e} micro-batch {b}" for e, b in positions)
+    lines = [f"  data: {own} ({'every rank' if len(positions) == 1 else 'the ranks differ'})"]
+    found, layout = data[0].get("global"), data[0].get("layout") or {}
+    if found and len(positions) == 1:
+        lines.append(
+            f"    global: {found['samples']} samples into epoch {found['epoch']}'s order (DistributedSampler seed "
+            f"{layout.get('seed')}, {layout.get('length')} samples, {len(ranks)} rank(s) x batch "
+            f"{layout.get('batch_size')} x accumulation {layout.get('accumulation')}; an epoch trains "
+            f"{layout.get('epoch_samples')}); W ranks of batch B continue there when W x B divides it"
+        )
+    else:
+        why = layout.get("why") or "saved by a trainfsm before the global position"
+        lines.append(f"    global: unknown ({why})")
     return lines
 
 

@@ -14,12 +14,15 @@ from typing import Any, Final
 
 from trainfsm.machine import ExitReason
 
-#: 3: the data ledger (``checkpoint_saved.data``, ``checkpoint_loaded.checksum``,
-#: ``data_resumed.from_step``, ``batch_fingerprint``); 2: routine steps are written as compact
-#: ``steps`` records (1: every transition verbatim). The readers take all three; ``trainfsm audit``
+#: 4: the data ledger across world sizes (``data_layout``, ``data_resumed``'s ``from_world_size``,
+#: ``global``, ``exact``, ``approximate`` and ``rng``, ``checkpoint_saved.data.global``,
+#: ``epoch.fingerprint``, ``batch_fingerprint`` at exiting saves); 3: the data ledger
+#: (``checkpoint_saved.data``, ``checkpoint_loaded.checksum``, ``data_resumed.from_step``,
+#: ``batch_fingerprint``); 2: routine steps are written as compact ``steps`` records (1: every
+#: transition verbatim). The readers take all four; ``trainfsm audit``
 #: says that it cannot check the ledger of attempts written without it.
-FORMAT_VERSION: Final = 3
-READABLE_FORMATS: Final = (1, 2, 3)
+FORMAT_VERSION: Final = 4
+READABLE_FORMATS: Final = (1, 2, 3, 4)
 
 #: Event name -> the fields it adds to the common ones. Decision events are INFO for people.
 EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
@@ -30,8 +33,35 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     # step's end; the first's from its own start, which is ``ts`` less the sum of ``dt``).
     "steps": ("first", "micro", "dt"),
     "restore": ("resumed", "from_step"),
-    "epoch": ("epoch",),
-    "data_resumed": ("mode", "why", "epoch", "batches", "positioned", "seconds", "from_step"),
+    "data_layout": (
+        "order",
+        "why",
+        "world_size",
+        "rank",
+        "batch_size",
+        "length",
+        "seed",
+        "shuffle",
+        "epoch_batches",
+        "global_batch",
+        "accumulation",
+        "epoch_samples",
+    ),
+    "epoch": ("epoch", "fingerprint"),
+    "data_resumed": (
+        "mode",
+        "why",
+        "epoch",
+        "batches",
+        "positioned",
+        "seconds",
+        "from_step",
+        "from_world_size",
+        "global",
+        "exact",
+        "approximate",
+        "rng",
+    ),
     "batch_fingerprint": ("after", "from_step", "epoch", "batches", "fingerprint"),
     "data_exhausted": ("epochs", "dropped_micro_batches"),
     "metrics": ("values",),
@@ -150,18 +180,35 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
         "step's duration in integer microseconds (the first from its own start, the rest from the previous "
         "step's end)",
     ),
-    "restore": ("`resumed`, `from_step`", "RESTORE is done: fresh start or resumed"),
-    "epoch": ("`epoch`", "the data iterator ran out and a new epoch started"),
+    "restore": ("`resumed`, `from_step`", "RESTORE begins: fresh start or resumed"),
+    "data_layout": (
+        "`order` (`distributed`: the loader draws from a `DistributedSampler` of this rank and world size, so "
+        "rank r's micro-batch k of an epoch holds positions (k*B + j)*W + r, j < B, of the epoch's order; "
+        "`unknown`: `why`), `world_size` (W), `rank`, `batch_size` (B, per rank), `length` (N, samples), "
+        "`seed`, `shuffle`, `epoch_batches` (this rank's micro-batches per epoch), `global_batch` "
+        "(`global_batch_size` or null), `accumulation`, `epoch_samples` (positions trained per epoch by all ranks)",
+        "RESTORE begins, just before `restore` (each rank, DEBUG): how this rank's micro-batches map onto each "
+        "epoch's order of samples",
+    ),
+    "epoch": (
+        "`epoch`, `fingerprint` (of its first batch, as `batch_fingerprint`'s)",
+        "a new epoch's first batch was drawn (DEBUG; the first epoch's too)",
+    ),
     "data_resumed": (
-        "`mode` (`state`, `sampler`, `skip`, `none`), `why`, `epoch`, `batches` (of the epoch already used), "
-        "`positioned` (batches skipped at the sampler or replayed), `seconds`, `from_step` (the checkpoint's step)",
+        "`mode` (`state`, `sampler`, `skip`, `none`), `why`, `epoch`, `batches` (of the epoch already used, "
+        "this rank's micro-batches), `positioned` (batches skipped at the sampler or replayed), `seconds`, "
+        "`from_step` (the checkpoint's step), `from_world_size` (the saving run's; null if unknown), `global` "
+        "(`{epoch, samples}`: the position in the epoch's order it continues from, or null), `exact` (false: "
+        "the position is an approximation the user accepted, `approximate` says why), `rng` (whose random "
+        "streams this rank continues: its own, an old rank's, or seeded for a rank the saving run lacked)",
         "RESTORE put the data iterator back where the checkpoint was",
     ),
     "batch_fingerprint": (
-        "`after` (`save` or `resume`), `from_step` (the checkpoint's step), `epoch`, `batches` (the position "
-        "after drawing it), `fingerprint` (a hash of the batch's contents)",
-        "the first batch drawn after a save and after a resume (each rank): the data ledger checks "
-        "that a resumed run draws the batch the saving run drew next",
+        "`after` (`save` or `resume`), `from_step` (the checkpoint's step), `epoch`, "
+        "`batches` (the position after drawing it), `fingerprint` (a hash of the batch's contents)",
+        "the first batch drawn after a save (when the run leaves after it, drawn then and not trained), after "
+        "a resume (each rank): the data ledger checks that a resumed run draws the batch the saving run "
+        "would have drawn next (and names where it began when not, from the `epoch` events)",
     ),
     "data_exhausted": (
         "`epochs`, `dropped_micro_batches`",
