@@ -131,6 +131,7 @@ def test_json_schema_is_the_documented_one(tmp_path: Path, capsys: pytest.Captur
     assert report["schema"] == SCHEMA == "trainfsm.audit/1"
     assert set(report) == {
         "schema", "consistent", "ended_well", "files", "attempts", "problems", "run_problems", "notes", "ledger",
+        "ledger_checked",
     }  # fmt: skip
     (attempt,) = report["attempts"]
     assert set(attempt) == {
