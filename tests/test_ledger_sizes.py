@@ -2,7 +2,7 @@
 positions of each epoch's order, their union proven a prefix with no position twice, or the first
 position twice or skipped named; what it cannot check said plainly.
 
-The trails are real (``tests/data/reshard/record.py`` records them from gloo ranks of
+The trails are real (``tests/faults/reshard_trails.py`` records them from gloo ranks of
 ``tests/distributed/reshard_worker.py``: 100 samples, a shuffling ``DistributedSampler``, per-rank
 batches of 2, ``global_batch_size=24``): ``clean`` is preempted at 4 ranks, resumed at 2, preempted,
 resumed at 3 (every sample of both epochs trained once: the recording run's own record of the indices
@@ -19,6 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from tests.faults import reshard_trails
 from trainfsm.tools import audit
 from trainfsm.tools.ledger import POSITIONS_ONCE, proven
 
@@ -165,3 +168,18 @@ def test_a_trail_from_before_the_contract_resumed_on_another_world_size_cannot_b
     )
     assert report.ledger == [f"all ranks, world size 4 → 2: cannot be checked: {cannot}"]
     assert not any(proven(line) for line in report.ledger)
+
+
+# ---------------------------------------------------------------- the recorded trails are today's
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["clean", "planted"])
+def test_a_run_recorded_now_gets_the_ledger_the_checked_in_trail_gets(tmp_path: Path, name: str) -> None:
+    """The trails above are the trainer's of when they were recorded: gloo ranks of the same plan,
+    run now, must audit alike (15-20 s each)."""
+    live = audit.audit([reshard_trails.record(name, tmp_path / "ws").parent])
+    recorded = audit.audit([DATA / name])
+    assert (live.ledger, live.ledger_checked, ledger_problems(live)) == (
+        recorded.ledger,
+        recorded.ledger_checked,
+        ledger_problems(recorded),
+    )

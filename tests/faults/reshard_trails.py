@@ -1,6 +1,6 @@
 """Record the real trails the ledger's tests across world sizes read (``tests/test_ledger_sizes.py``).
 
-    python tests/data/reshard/record.py            # rewrites tests/data/reshard/{clean,planted}/logs
+    python tests/faults/reshard_trails.py          # rewrites tests/data/reshard/{clean,planted}/logs
 
 Each is a run of ``tests/distributed/reshard_worker.py`` (100 samples, ``DistributedSampler`` with
 shuffle, per-rank batches of 2, ``global_batch_size=24``), its ranks started as processes of their
@@ -12,7 +12,8 @@ own (``tests.distributed.launch.Ranks``, gloo, each signalling itself):
   resumes old rank 0's own position: trainfsm before issue 49) to step 8.
 
 The workspace's path in the trails is replaced by ``runs/reshard``, so they read the same anywhere.
-About 30 s on 2 cores. Record again when the trail's format changes.
+About 30 s on 2 cores. Record again when the trail's format changes (a slow test of
+``tests/test_ledger_sizes.py`` records both anew and checks the ledger says the same of them).
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.distributed.launch import Ranks  # noqa: E402
+from tests.distributed.launch import ROOT, Ranks
 
-HERE = Path(__file__).resolve().parent
+DATA = ROOT / "tests" / "data" / "reshard"
 WORKER = ROOT / "tests" / "distributed" / "reshard_worker.py"
 PLANS = {
     "clean": [(4, ["--preempt-at", "2"]), (2, ["--preempt-at", "6"]), (3, [])],
@@ -52,7 +52,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as scratch:
             workspace = Path(scratch) / "ws"
             logs = record(name, workspace)
-            target = HERE / name / "logs"
+            target = DATA / name / "logs"
             shutil.rmtree(target, ignore_errors=True)
             target.mkdir(parents=True)
             for trail in sorted(logs.glob("events.rank*.jsonl")):
