@@ -73,7 +73,7 @@ def test_a_job_whose_ranks_all_died_at_once_is_one_line_of_run_problems(tmp_path
     assert killed.message.startswith("attempt 0: ranks 0-63 killed: no exit event, their trails end in STEP at step 81")
     text = render(report)
     assert "exit: none: ranks 0-63 killed at their last records: STEP at step 81" in text
-    assert len(text.splitlines()) < 20, text
+    assert len(text.splitlines()) <= 20, text  # 20: the data ledger's line and its "checked" line included
 
 
 def test_a_long_section_shows_its_first_lines_and_counts_the_rest(tmp_path: Path) -> None:

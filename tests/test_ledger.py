@@ -165,6 +165,24 @@ def test_a_completed_runs_launch_again_says_nothing_was_left_to_draw_not_that_no
     ]
 
 
+def test_an_attempt_that_ended_while_restore_positioned_its_data_drew_nothing_and_is_not_unchecked(
+    tmp_path: Path,
+) -> None:
+    """Between ``restore`` and ``data_resumed`` (its loader failed there; a kill there is the same):
+    no position was restored because none was drawn, not because the checkpoint had none."""
+    launch(tmp_path, "--steps", "8")
+    with pytest.raises(RuntimeError, match="planted: --fail-in-restore"):
+        launch(tmp_path, "--fail-in-restore")
+    launch(tmp_path)
+    report = audit.audit([tmp_path])
+    assert report.notes == [] and report.run_problems == []
+    assert report.ledger == [
+        "rank 0: attempt 0 kept epoch 0 micro-batches 0-7 (steps 1-8, saved in checkpoint 8); attempt 1 ended before "
+        "its data was positioned: drew nothing; attempt 2 resumed checkpoint 8 and kept epoch 0 micro-batches 8-9 and "
+        f"epoch 1 micro-batches 0-1 (steps 9-12): {ONCE}"
+    ]
+
+
 # ---------------------------------------------------------------- planted breaks
 def test_a_loader_whose_load_state_dict_does_nothing_preempted_and_resumed_is_named_with_what_it_trained_twice(
     tmp_path: Path,

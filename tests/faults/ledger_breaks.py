@@ -4,7 +4,7 @@ breaks of exactly-once data are planted on purpose.
 
     python tests/faults/ledger_breaks.py WORKSPACE --steps 12 --interval 4 [--kill-at 10 | --signal-at 3]
         [--plant other-position:4] [--loader stateful|skipping|forgetful|drifting] [--load none]
-        [--loss-none-at 6] [--non-finite-at 7]
+        [--loss-none-at 6] [--non-finite-at 7] [--fail-in-restore]
 
 ``--kill-at S``: the first launch SIGKILLs itself in step S's forward (a node lost).
 ``--signal-at S``: the first launch sends itself SIGUSR1 as step S begins: it saves at the end of
@@ -19,6 +19,8 @@ launch's attempt + 1 in later ones: an order that depends on something a resume 
 ``--loss-none-at S``: step S's first forward returns ``loss=None`` (that micro-batch is drawn, not
 trained). ``--non-finite-at S``: step S's first try has a non-finite loss (with one retry allowed:
 its micro-batch is drawn, not trained, and the step runs again on the next).
+``--fail-in-restore``: a resume fails as RESTORE positions the data (the loader raises when it is
+iterated), after the ``restore`` event and before ``data_resumed``: the attempt drew nothing.
 ``--load none``: ``CheckpointingHook(load=None)``, a fresh start on purpose.
 """
 
@@ -85,6 +87,18 @@ class DriftingLoader:
         return (batch((index + shift) % BATCHES) for index in range(BATCHES))
 
 
+class FailingOnResume:
+    """A list's batches; once ``failing`` (set as a checkpoint loads), iterating it raises."""
+
+    def __init__(self) -> None:
+        self.failing = False
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.failing:
+            raise RuntimeError("the data is not there (planted: --fail-in-restore)")
+        return (batch(i) for i in range(BATCHES))
+
+
 class Trainer(BaseTrainer):
     def __init__(self, args: argparse.Namespace, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -92,6 +106,8 @@ class Trainer(BaseTrainer):
         self.tried: set[int] = set()  # steps whose first forward ran
 
     def build_data_loader(self) -> Any:
+        if self.args.fail_in_restore:
+            return FailingOnResume()
         if self.args.loader == "list":
             return [batch(i) for i in range(BATCHES)]
         if self.args.loader == "drifting":
@@ -126,6 +142,8 @@ class Trainer(BaseTrainer):
         return loss, {}
 
     def load_state_dict(self, state: dict[str, Any], options: Any = None, data_resume: str = "auto") -> None:
+        if self.args.fail_in_restore:
+            self.data_loader.failing = True  # type: ignore[union-attr]
         if self.args.plant and self.args.plant.startswith("other-position:"):
             other = self.workspace / "checkpoints" / self.args.plant.split(":")[1]  # type: ignore[operator]
             parts = CheckpointStore.load(other)
@@ -142,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--signal-at", type=int, default=-1)
     parser.add_argument("--loss-none-at", type=int, default=-1)
     parser.add_argument("--non-finite-at", type=int, default=-1)
+    parser.add_argument("--fail-in-restore", action="store_true")
     parser.add_argument("--plant", default="")
     parser.add_argument("--loader", choices=("list", "stateful", "skipping", "forgetful", "drifting"), default="list")
     parser.add_argument("--load", choices=("latest", "none"), default="latest")

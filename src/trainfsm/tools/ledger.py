@@ -70,7 +70,7 @@ class Segment:
     """One rank's draws in one attempt."""
 
     r: RankAttempt
-    how: str  # fresh, resumed, approximate, complete (at max_steps already), unchecked, nothing (no RESTORE)
+    how: str  # fresh, resumed, approximate, complete (at max_steps already), unchecked, nothing (drew nothing)
     why: str | None = None  # unchecked: why; approximate: the reason the user accepted
     begin: Position | None = None
     parent: int | None = None  # the attempt that saved the checkpoint it loaded
@@ -170,7 +170,7 @@ class Check:
         """How this rank's attempt began, and from which save."""
         start = r.ledger_start
         old = r.format is None or r.format < 3
-        if start is None and not old:  # ended before RESTORE said where its data began
+        if start is None and not old:  # ended before RESTORE said where its data began: drew nothing
             return Segment(r, "nothing")
         if old or start is None:
             why = f"its trail (format {r.format or 'unknown'}) has no data ledger: written by an older trainfsm"
@@ -185,8 +185,10 @@ class Check:
             seg.begin = (0, 0)
             self._silent_restart(seg)
         elif seg.how == "pending":  # no data_resumed: at max_steps already, or no position to restore
-            if r.steps_done == 0 and (r.exit or {}).get("reason") == "completed":
+            if r.micro_batches == 0 and (r.exit or {}).get("reason") == "completed":
                 seg.how = "complete"
+            elif r.micro_batches == 0:  # killed, or preempted, in RESTORE: before its data was positioned
+                seg.how = "nothing"
             else:
                 trainloop = loaded is not None and loaded.get("format") == "trainloop"
                 seg.how = "unchecked"

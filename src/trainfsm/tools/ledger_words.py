@@ -105,7 +105,7 @@ def rank_lines(check: Check) -> None:
 def _rank_part(check: Check, seg: Segment) -> str:
     a = seg.r.attempt
     if seg.how == "nothing":
-        return f"attempt {a} ended before RESTORE, drew nothing"
+        return f"attempt {a} ended before its data was positioned: drew nothing"
     if seg.how == "unchecked":
         return f"attempt {a}: not checked (see notes)"
     if seg.how == "complete":
@@ -194,7 +194,7 @@ def _epoch_size(check: Check) -> str:
 def _attempt_part(check: Check, a: int, stretches: list[coverage.Stretch]) -> str:
     segs = [s for s in check.segments[a].values() if s.how != "nothing"]
     if not segs:
-        return f"attempt {a} ended before RESTORE, drew nothing"
+        return f"attempt {a} ended before its data was positioned: drew nothing"
     first = segs[0]
     head = f"attempt {a} on {first.world} ranks"
     if first.how == "complete":
