@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 
 import pytest
-import torch
 from torch.utils.data import DistributedSampler
 
 from trainfsm.tools import coverage
