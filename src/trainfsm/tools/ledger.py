@@ -84,25 +84,16 @@ class Segment:
 
     @property
     def world(self) -> int | None:
-        return (self.r.layout or {}).get("world_size") or self.r.world_size
+        return (self.r.data.layout or {}).get("world_size") or self.r.world_size
 
     @property
     def end(self) -> Position | None:
-        position = self.r.position
+        position = self.r.data.position
         return (position[0], position[1]) if position is not None else None
 
     def spans(self, begin: Position, end: Position) -> list[tuple[int, int, int]]:
         """This rank's micro-batches from ``begin`` up to ``end``, epoch by epoch: (epoch, first, end)."""
-        if end <= begin:
-            return []
-        if begin[0] == end[0]:
-            return [(begin[0], begin[1], end[1])]
-        drawn = self.r.epoch_ends
-        per_epoch = (self.r.layout or {}).get("epoch_batches") or 0
-        spans = [(begin[0], begin[1], drawn.get(begin[0], per_epoch))]
-        spans += [(epoch, 0, drawn.get(epoch, per_epoch)) for epoch in range(begin[0] + 1, end[0])]
-        spans.append((end[0], 0, end[1]))
-        return [span for span in spans if span[2] > span[1]]
+        return self.r.data.spans(begin, end)
 
 
 def saved_position(data: dict[str, Any] | None, rank: int) -> Position | None:
@@ -168,7 +159,7 @@ class Check:
     # ---------------------------------------------------------------- where each attempt began
     def _start(self, r: RankAttempt) -> Segment:
         """How this rank's attempt began, and from which save."""
-        start = r.ledger_start
+        start = r.data.start
         old = r.format is None or r.format < 3
         if start is None and not old:  # ended before RESTORE said where its data began: drew nothing
             return Segment(r, "nothing")
@@ -255,7 +246,7 @@ class Check:
     def _saved_as_counted(self, r: RankAttempt, own_saves: list[dict[str, Any]]) -> None:
         for save in own_saves:
             saved = saved_position(save["data"], r.rank)
-            counted = r.positions.get(save["step"])
+            counted = r.data.positions.get(save["step"])
             if saved is not None and counted is not None and saved != counted:
                 self.problem(
                     r,
@@ -282,7 +273,7 @@ class Check:
             f"rank {r.rank}, attempt {r.attempt} resumed from checkpoint {seg.save['step']} (saved by attempt "
             f"{seg.parent}) at epoch {seg.begin[0]} micro-batch {seg.begin[1]}, but that checkpoint saved epoch "
             f"{saved[0]} micro-batch {saved[1]} as the next: {what}",
-            (r.ledger_start or {}).get("line"),
+            (r.data.start or {}).get("line"),
         )
 
     def world_of(self, attempt: int, rank: int) -> int | None:
@@ -308,7 +299,7 @@ class Check:
                 if not seg.checked:
                     continue
                 reported = False
-                for f in seg.r.fingerprints:
+                for f in seg.r.data.fingerprints:
                     key = (seg.r.rank, seg.world, int(f["epoch"]), int(f["batches"]) - 1)
                     entry = {**f, "attempt": a}
                     mine.setdefault(key, entry)
@@ -404,7 +395,7 @@ class Check:
                 self.note(f"attempt {which} continued approximately, as accepted: epoch {finding.epoch}: {text}")
                 continue
             seg = self.segments[blame[0]].get(blame[1]) or next(iter(self.segments[blame[0]].values()))
-            line = (seg.r.ledger_start or {}).get("line")
+            line = (seg.r.data.start or {}).get("line")
             self.problem(seg.r, f"world size {change}, epoch {finding.epoch}: {text}", line)
         self.out.lines.append(ledger_words.positions_line(self, change, stretches, approximate))
 
@@ -414,7 +405,7 @@ class Check:
             for seg in self.segments[a].values():
                 if seg.how in ("nothing", "complete"):
                     continue
-                layout = seg.r.layout
+                layout = seg.r.data.layout
                 if seg.how == "unchecked" or layout is None:
                     why = seg.why or f"its trail (format {seg.r.format}) records no data layout"
                     return f"attempt {a} on {seg.world} ranks: {why}; which samples each rank drew is unknown"
@@ -432,7 +423,7 @@ class Check:
             for seg in self.segments[a].values():
                 if seg.begin is None or seg.kept_to is None or seg.how in ("nothing", "complete"):
                     continue
-                layout = seg.r.layout or {}
+                layout = seg.r.data.layout or {}
                 shape = {"batch": int(layout["batch_size"]), "world": int(layout["world_size"])}
                 samples = layout.get("epoch_samples")
                 for epoch, first, end in seg.spans(seg.begin, seg.kept_to):

@@ -152,7 +152,7 @@ def _who(segs: list[Segment], group: list[Segment]) -> str:
 
 def _untrained(seg: Segment) -> str:
     last = int(seg.handed["step"]) if seg.handed is not None else None
-    entries = [n for n in seg.r.not_trained if last is None or n["step"] <= last]
+    entries = [n for n in seg.r.data.not_trained if last is None or n["step"] <= last]
     return "; ".join(f"{micro_text(n['spans'])} (step {n['step']}: {n['why']})" for n in entries)
 
 
@@ -180,7 +180,7 @@ def positions_line(check: Check, change: str, stretches: list[coverage.Stretch],
 def _epoch_size(check: Check) -> str:
     """``; an epoch trains positions 0-95 of the 100 of its order (whole global batches of 24)``, when
     the epoch's end is not its order's end (or ``""``)."""
-    layouts = [s.r.layout for a in check.lineage for s in check.segments[a].values() if s.r.layout]
+    layouts = [s.r.data.layout for a in check.lineage for s in check.segments[a].values() if s.r.data.layout]
     sizes = {(layout.get("epoch_samples"), layout.get("length"), layout.get("global_batch")) for layout in layouts}
     if len(sizes) != 1:
         return ""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from trainfsm import machine as fsm
+from trainfsm.tools.ledger_count import DataCount
 from trainfsm.trail.reader import Record
 from trainfsm.trail.schema import BY, EVENT_FIELDS, EXIT_REASONS
 
@@ -87,17 +88,7 @@ class RankAttempt:
     exit_line: int | None = None
     format: int | None = None  # run_start's trail format
     # The data ledger (``trainfsm.tools.ledger``): where this rank's data stood, counted from the trail.
-    position: list[int] | None = None  # [epoch, micro-batches drawn in it] now; None: not known (an old trail)
-    # How the attempt's data began: fresh, resumed (data_resumed's fields), pending (resumed, no
-    # data_resumed yet: none comes when the checkpoint is at max_steps or has no data position), unchecked.
-    ledger_start: dict[str, Any] | None = None
-    positions: dict[int, tuple[int, int]] = field(default_factory=dict)  # step -> position entering CHECKPOINT
-    # batch_fingerprint events, and each epoch's first micro-batch (``after``: "epoch"; format 4)
-    fingerprints: list[dict[str, Any]] = field(default_factory=list)
-    layout: dict[str, Any] | None = None  # data_layout: how its micro-batches map onto each epoch's order
-    epoch_ends: dict[int, int] = field(default_factory=dict)  # micro-batches drawn in each epoch it left
-    # Micro-batches drawn and not trained: {"step", "why", "spans": [(epoch, first, end)]}, ends exclusive.
-    not_trained: list[dict[str, Any]] = field(default_factory=list)
+    data: DataCount = field(default_factory=DataCount)
     not_loaded: bool = False  # CheckpointingHook(load=None): a fresh start asked for
     stalls: list[dict[str, Any]] = field(default_factory=list)  # each stall (its first report), cleared or not
     stall_open: dict[str, Any] | None = None  # the last stall, while no stall_cleared followed it
@@ -127,7 +118,6 @@ class Replay:
         self.problems = problems
         self.state = fsm.BUILD
         self.step = 0
-        self._try_start: tuple[int, int] | None = None  # the position where this try of the step began
 
     def problem(self, kind: str, record: Record, message: str) -> None:
         self.problems.append(Problem(kind, message, record.file, record.line, record.rank, record.attempt))
@@ -224,8 +214,7 @@ class Replay:
             self._steps_problems(Record(file, line, data), first, last)
         count = last - first + 1
         result.micro_batches += count * micro
-        if result.position is not None:  # each micro-batch drew one batch
-            result.position[1] += count * micro
+        result.data.drew_steps(count * micro)
         result.steps_done += count
         result.last_step = last
         self.state = fsm.STEP
@@ -265,17 +254,13 @@ class Replay:
         result = self.result
         if dest == fsm.ACCUMULATE:
             result.micro_batches += 1
-            if result.position is not None:  # ACCUMULATE draws its micro-batch first thing
-                if source == fsm.STEP or trigger == "retry":  # a step's micro-batches (again) from here
-                    self._try_start = (result.position[0], result.position[1])
-                result.position[1] += 1
+            result.data.drew(first_of_try=source == fsm.STEP or trigger == "retry")
         if source == fsm.ACCUMULATE and trigger in _STEP_DONE:
             result.steps_done += 1
             result.last_step = self.step
         if dest == fsm.CHECKPOINT:
             result.checkpoint_steps.append(self.step)
-            if result.position is not None:
-                result.positions[self.step] = (result.position[0], result.position[1])
+            result.data.entering_checkpoint(self.step)
 
     # ---------------------------------------------------------------- other events
     def _run_start(self, record: Record) -> None:
@@ -296,11 +281,7 @@ class Replay:
         from_step = data.get("from_step")
         result.start = "resume" if resumed else "launch"
         result.resumed_from_step = from_step if resumed else None
-        if not resumed:
-            result.position = [0, 0]
-            result.ledger_start = {"how": "fresh", "epoch": 0, "batches": 0}
-        else:  # data_resumed, next, says where the data stands (none: at max_steps, or no data position)
-            result.ledger_start = {"how": "pending", "from_step": from_step, "line": record.line}
+        result.data.restored(resumed, from_step, record.line)
         loaded = [entry["step"] for entry in result.loaded]
         if loaded and loaded[-1] != from_step:
             self.problem("gap", record, f"restore says from_step {from_step}, the checkpoint loaded was {loaded[-1]}")
@@ -337,77 +318,19 @@ class Replay:
         self.result.not_loaded = True
 
     def _data_resumed(self, record: Record) -> None:
-        data = record.data
-        position = [int(data.get("epoch", 0)), int(data.get("batches", 0))]
-        self.result.position = position
-        loaded = self.result.loaded[-1] if self.result.loaded else {}
-        start = {
-            "epoch": position[0],
-            "batches": position[1],
-            "from_step": data.get("from_step", loaded.get("step")),
-            "line": record.line,
-        }
-        # Format 4: the saving run's world size, the global position continued from, and whether
-        # exactly (``approximate``: the reason the user accepted).
-        start.update({key: data.get(key) for key in ("from_world_size", "global", "exact", "approximate")})
-        if data.get("mode") == "none":
-            start.update(how="unchecked", why=f"the data position was not restored: {data.get('why')}")
-        else:
-            start.update(how="resumed", checksum=loaded.get("checksum"), path=loaded.get("path"))
-        self.result.ledger_start = start
+        self.result.data.resumed(record, self.result.loaded[-1] if self.result.loaded else {})
 
     def _data_layout(self, record: Record) -> None:
-        self.result.layout = dict(record.data)
+        self.result.data.layout = dict(record.data)
 
     def _epoch(self, record: Record) -> None:
-        result = self.result
-        epoch = int(record.data.get("epoch", 0))
-        if result.position is not None and epoch > result.position[0]:
-            result.epoch_ends[result.position[0]] = result.position[1] - 1  # its last draw began this one
-        result.position = [epoch, 1]  # the draw that began it is its first
-        if record.data.get("fingerprint") is not None:  # format 4: the epoch's first micro-batch
-            result.fingerprints.append(
-                {
-                    "after": "epoch",
-                    "from_step": None,
-                    "epoch": epoch,
-                    "batches": 1,
-                    "fingerprint": record.data["fingerprint"],
-                    "line": record.line,
-                }
-            )
+        self.result.data.epoch(record)
 
     def _data_exhausted(self, record: Record) -> None:
-        if self.result.position is not None:  # the last ACCUMULATE found no batch: nothing was drawn
-            self.result.position[1] -= 1
-            self._not_trained(record.step, "the data ran out (max_epochs) before the step's last micro-batch")
-
-    def _not_trained(self, step: int, why: str) -> None:
-        """This try's micro-batches were drawn and not trained (``loss_none`` names single ones)."""
-        result = self.result
-        if result.position is None or self._try_start is None:
-            return
-        spans = self._spans(self._try_start, (result.position[0], result.position[1]))
-        result.not_trained[:] = [n for n in result.not_trained if not (n["step"] == step and n["try"])]
-        if spans:
-            result.not_trained.append({"step": step, "why": why, "spans": spans, "try": False})
-
-    def _spans(self, begin: tuple[int, int], end: tuple[int, int]) -> list[tuple[int, int, int]]:
-        """The micro-batches from ``begin`` to ``end`` (positions), epoch by epoch: (epoch, first, end)."""
-        if begin[0] == end[0]:
-            return [(begin[0], begin[1], end[1])] if end[1] > begin[1] else []
-        ends = self.result.epoch_ends
-        found = [(begin[0], begin[1], ends.get(begin[0], begin[1]))]
-        found += [(epoch, 0, ends.get(epoch, 0)) for epoch in range(begin[0] + 1, end[0])]
-        found.append((end[0], 0, end[1]))
-        return [span for span in found if span[2] > span[1]]
+        self.result.data.exhausted(record.step)
 
     def _batch_fingerprint(self, record: Record) -> None:
-        data = record.data
-        self.result.fingerprints.append(
-            {key: data.get(key) for key in ("after", "from_step", "epoch", "batches", "fingerprint")}
-            | {"line": record.line}
-        )
+        self.result.data.fingerprint(record)
 
     def _checkpoint_skipped(self, record: Record) -> None:
         self.result.skipped.append({"path": record.data.get("path"), "reason": record.data.get("reason")})
@@ -418,19 +341,17 @@ class Replay:
     def _non_finite(self, record: Record) -> None:
         if record.data.get("what") == "scaler_skip":
             self.result.scaler_skips.append(record.step)
-            self._not_trained(record.step, "the fp16 grad scaler skipped the step")
+            self.result.data.not_trained_try(record.step, "the fp16 grad scaler skipped the step")
         else:
             self.result.retries.append({"step": record.step, "retry": record.data.get("retry")})
-            self._not_trained(record.step, "non-finite gradients: the step ran again on the next micro-batches")
+            why = "non-finite gradients: the step ran again on the next micro-batches"
+            self.result.data.not_trained_try(record.step, why)
 
     def _loss_none(self, record: Record) -> None:
         result = self.result
         result.loss_none += 1
         result.loss_none_at.append(f"step {record.step} micro {record.data.get('micro')}")
-        if result.position is not None:  # the micro-batch just drawn
-            epoch, batches = result.position
-            spans = [(epoch, batches - 1, batches)]
-            result.not_trained.append({"step": record.step, "why": "loss=None", "spans": spans, "try": True})
+        result.data.loss_none(record.step)
 
     def _signal_received(self, record: Record) -> None:
         data = record.data
