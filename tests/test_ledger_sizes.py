@@ -95,8 +95,11 @@ def test_every_new_rank_resuming_old_rank_0s_position_is_caught_naming_the_posit
     planted = DATA / "planted"
     report = audit.audit([planted])
     assert ledger_problems(report) == [
+        "attempt 1 on 2 ranks says it continued checkpoint 3's position 72 of epoch 0 (data_resumed.global), but "
+        "ranks 0-1 counted from micro-batch 9 of epoch 0, which is position 36 at 2 ranks with batches of 2: the ranks "
+        "did not skip to the global position",
         "world size 4 → 2, epoch 0: 36 positions of its order trained twice, from position 36 to 71 (position 36: "
-        "attempt 0 rank 0 and attempt 1 rank 0)"
+        "attempt 0 rank 0 and attempt 1 rank 0)",
     ]
     (line,) = report.ledger
     assert line.startswith("all ranks, world size 4 → 2: ") and not proven(line)
@@ -110,10 +113,21 @@ def test_positions_skipped_at_a_resume_on_another_world_size_are_named_with_the_
     """Attempt 1 (2 ranks) resumes each rank at micro-batch 20, not 18: positions 72-79 never trained."""
     report = audit.audit([edited(tmp_path, resumed_at(1, batches=20))])
     assert ledger_problems(report) == [
+        "attempt 1 on 2 ranks says it continued checkpoint 3's position 72 of epoch 0 (data_resumed.global), but "
+        "ranks 0-1 counted from micro-batch 20 of epoch 0, which is position 80 at 2 ranks with batches of 2: the "
+        "ranks did not skip to the global position",
         "world size 4 → 2 → 3, epoch 0: 8 positions of its order never trained, from position 72 to 79 (attempt 1 "
-        "went on past them)"
+        "went on past them)",
     ]
-    assert report.run_problems[0].attempt == 1
+    assert {p.attempt for p in report.run_problems} == {1}
+
+
+def test_a_resume_that_continues_another_global_position_than_its_checkpoint_saved_is_named(tmp_path: Path) -> None:
+    report = audit.audit([edited(tmp_path, resumed_at(1, **{"global": {"epoch": 0, "samples": 64}}))])
+    assert ledger_problems(report) == [
+        "attempt 1 on 2 ranks continued from epoch 0 position 64 (data_resumed.global), but checkpoint 3 saved epoch 0 "
+        "position 72"
+    ]
 
 
 # ---------------------------------------------------------------- what cannot be proven

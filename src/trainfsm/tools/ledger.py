@@ -43,7 +43,7 @@ from typing import Any, Final
 from trainfsm.tools import coverage, ledger_words
 from trainfsm.tools.ledger_words import ONCE, POSITIONS_ONCE, micro_text, proven
 from trainfsm.tools.replay import Problem, RankAttempt
-from trainfsm.tools.report import AttemptReport
+from trainfsm.tools.report import AttemptReport, group_by, ranks_text
 from trainfsm.trail.reader import Note
 
 __all__ = ["KIND", "ONCE", "POSITIONS_ONCE", "Ledger", "Segment", "check", "proven", "saved_position"]
@@ -147,6 +147,7 @@ class Check:
         for segments in self.segments.values():
             for seg in segments.values():
                 self._resumed_as_saved(seg)
+            self._continued_as_saved(list(segments.values()))
         self._fingerprints()
         sizes = self.sizes()
         if len(sizes) > 1:
@@ -275,6 +276,54 @@ class Check:
             f"{saved[0]} micro-batch {saved[1]} as the next: {what}",
             (r.data.start or {}).get("line"),
         )
+
+    def _continued_as_saved(self, segments: list[Segment]) -> None:
+        """An attempt resumed on another world size: the global position it says it continued from
+        (``data_resumed.global``) is the one its checkpoint saved (``checkpoint_saved.data.global``),
+        and each rank's own count stands there. One problem per attempt, its ranks named."""
+        resized = [
+            s
+            for s in segments
+            if s.how == "resumed" and s.save is not None and s.parent is not None and s.begin is not None
+            and self.world_of(s.parent, s.r.rank) not in (None, s.world)
+        ]  # fmt: skip
+        if not resized:
+            return
+        first = resized[0]
+        step, saved = first.save["step"], first.save["data"].get("global")  # type: ignore[index]
+        claimed = (first.r.data.start or {}).get("global")
+        line = (first.r.data.start or {}).get("line")
+        if not claimed:
+            return
+        if saved and (claimed["epoch"], claimed["samples"]) != (saved["epoch"], saved["samples"]):
+            self.problem(
+                first.r,
+                f"attempt {first.r.attempt} on {first.world} ranks continued from epoch {claimed['epoch']} position "
+                f"{claimed['samples']} (data_resumed.global), but checkpoint {step} saved epoch {saved['epoch']} "
+                f"position {saved['samples']}",
+                line,
+            )
+            return
+        layout = first.r.data.layout or {}
+        if layout.get("order") != "distributed" or not layout.get("batch_size"):
+            return
+        batch, world, samples = int(layout["batch_size"]), int(layout["world_size"]), layout.get("epoch_samples")
+
+        def counted(seg: Segment) -> tuple[int, int]:
+            epoch, batches = seg.begin  # type: ignore[misc]
+            return epoch, coverage.position_after(batches, batch=batch, world=world, epoch_samples=samples)
+
+        wrong = group_by([s for s in resized if counted(s) != (claimed["epoch"], claimed["samples"])], counted)
+        for (epoch, position), group in list(wrong.items())[:1]:
+            ranks, micro = ranks_text([s.r.rank for s in group]), (group[0].begin or (0, 0))[1]
+            self.problem(
+                group[0].r,
+                f"attempt {first.r.attempt} on {world} ranks says it continued checkpoint {step}'s position "
+                f"{claimed['samples']} of epoch {claimed['epoch']} (data_resumed.global), but {ranks} counted from "
+                f"micro-batch {micro} of epoch {epoch}, which is position {position} at {world} ranks with batches of "
+                f"{batch}: the ranks did not skip to the global position",
+                line,
+            )
 
     def world_of(self, attempt: int, rank: int) -> int | None:
         seg = self.segments[attempt].get(rank)
