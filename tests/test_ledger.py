@@ -148,8 +148,29 @@ def test_micro_batches_drawn_and_not_trained_are_named_with_their_steps(tmp_path
     (line,) = audit.audit([tmp_path]).ledger
     assert line == (
         "rank 0: attempt 0 kept epoch 0 micro-batches 0-9 and epoch 1 micro-batches 0-3 (steps 1-12), of which not "
-        "trained: epoch 0 micro-batch 5 (step 6: loss=None); epoch 0 micro-batch 9 (step 9: non-finite gradients: "
+        "trained: epoch 0 micro-batch 5 at step 6 (loss=None); epoch 0 micro-batch 9 at step 9 (non-finite gradients: "
         f"the step ran again on the next micro-batches): {ONCE}"
+    )
+
+
+def test_steps_the_fp16_scaler_skipped_are_named_the_first_few_then_counted(tmp_path: Path) -> None:
+    launch(tmp_path, "--fp16", "--non-finite-at", "2,3,5,7")
+    (line,) = audit.audit([tmp_path]).ledger
+    assert line == (
+        "rank 0: attempt 0 kept epoch 0 micro-batches 0-9 and epoch 1 micro-batches 0-1 (steps 1-12), of which not "
+        "trained: epoch 0 micro-batch 1 at step 2, epoch 0 micro-batch 2 at step 3, epoch 0 micro-batch 4 at step 5 "
+        f"and 1 more (the fp16 grad scaler skipped the step): {ONCE}"
+    )
+
+
+def test_micro_batches_of_a_step_the_data_ran_out_in_are_named_as_not_trained(tmp_path: Path) -> None:
+    """Two epochs of 10 micro-batches, 3 a step: step 7 draws the last 2 and finds no third."""
+    launch(tmp_path, "--accumulation", "3", "--max-epochs", "2", "--steps", "100")
+    (line,) = audit.audit([tmp_path]).ledger
+    assert line == (
+        "rank 0: attempt 0 kept epoch 0 micro-batches 0-9 and epoch 1 micro-batches 0-9 (steps 1-6), of which not "
+        "trained: epoch 1 micro-batches 8-9 at step 7 (the data ran out (max_epochs) before the step's last "
+        f"micro-batch): {ONCE}"
     )
 
 

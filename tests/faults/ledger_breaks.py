@@ -4,7 +4,7 @@ breaks of exactly-once data are planted on purpose.
 
     python tests/faults/ledger_breaks.py WORKSPACE --steps 12 --interval 4 [--kill-at 10 | --signal-at 3]
         [--plant other-position:4] [--loader stateful|skipping|forgetful|drifting] [--load none]
-        [--loss-none-at 6] [--non-finite-at 7] [--fail-in-restore]
+        [--loss-none-at 6] [--non-finite-at 7] [--fp16] [--accumulation 3 --max-epochs 2] [--fail-in-restore]
 
 ``--kill-at S``: the first launch SIGKILLs itself in step S's forward (a node lost).
 ``--signal-at S``: the first launch sends itself SIGUSR1 as step S begins: it saves at the end of
@@ -17,8 +17,11 @@ batch past the saved position, while saying it resumed there (``stateful``: the 
 ``--loader drifting``: a list's batches in order in the first epoch a launch draws, rotated by the
 launch's attempt + 1 in later ones: an order that depends on something a resume does not restore.
 ``--loss-none-at S``: step S's first forward returns ``loss=None`` (that micro-batch is drawn, not
-trained). ``--non-finite-at S``: step S's first try has a non-finite loss (with one retry allowed:
-its micro-batch is drawn, not trained, and the step runs again on the next).
+trained). ``--non-finite-at S[,S...]``: each such step's first try has a non-finite loss (one retry
+allowed: its micro-batch is drawn, not trained, and the step runs again on the next; with ``--fp16``
+the grad scaler, made with a scale of 1 so that nothing else overflows, skips those steps instead).
+``--accumulation A --max-epochs E``: micro-batches per step, and the data runs out after E epochs
+(a last step short of A micro-batches is dropped).
 ``--fail-in-restore``: a resume fails as RESTORE positions the data (the loader raises when it is
 iterated), after the ``restore`` event and before ``data_resumed``: the attempt drew nothing.
 ``--load none``: ``CheckpointingHook(load=None)``, a fresh start on purpose.
@@ -118,6 +121,9 @@ class Trainer(BaseTrainer):
         torch.manual_seed(0)
         return nn.Linear(3, 1)
 
+    def build_grad_scaler(self) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", init_scale=1.0, enabled=self.args.fp16)
+
     def build_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.model.parameters(), lr=0.05)  # type: ignore[union-attr]
 
@@ -137,7 +143,7 @@ class Trainer(BaseTrainer):
         self.tried.add(self.step)
         if self.step == self.args.loss_none_at and first_try:
             return None, {}
-        if self.step == self.args.non_finite_at and first_try:
+        if self.step in self.args.non_finite_at and first_try:
             return loss * float("nan"), {}
         return loss, {}
 
@@ -159,15 +165,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--signal-at", type=int, default=-1)
     parser.add_argument("--loss-none-at", type=int, default=-1)
-    parser.add_argument("--non-finite-at", type=int, default=-1)
+    parser.add_argument("--non-finite-at", type=lambda text: [int(s) for s in text.split(",")], default=[])
     parser.add_argument("--fail-in-restore", action="store_true")
+    parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--plant", default="")
     parser.add_argument("--loader", choices=("list", "stateful", "skipping", "forgetful", "drifting"), default="list")
     parser.add_argument("--load", choices=("latest", "none"), default="latest")
     args = parser.parse_args(argv)
-    retries = 1 if args.non_finite_at > 0 else 0
     Trainer(
-        args, max_steps=args.steps, workspace=args.workspace, device="cpu", max_non_finite_grad_retries=retries
+        args,
+        max_steps=args.steps,
+        workspace=args.workspace,
+        device="cpu",
+        max_non_finite_grad_retries=1 if args.non_finite_at and not args.fp16 else 0,
+        mixed_precision="fp16" if args.fp16 else None,
+        gradient_accumulation_steps=args.accumulation,
+        max_epochs=args.max_epochs,
     ).train()
 
 

@@ -150,10 +150,21 @@ def _who(segs: list[Segment], group: list[Segment]) -> str:
     return f" on {ranks_text([s.r.rank for s in group])}" if len(segs) > 1 else ""
 
 
+#: Micro-batches not trained shown for each reason; the rest are counted.
+UNTRAINED_SHOWN: Final = 3
+
+
 def _untrained(seg: Segment) -> str:
+    """``epoch 0 micro-batch 5 at step 6 (loss=None); epoch 0 micro-batch 0 at step 1, ... and 4
+    more (the fp16 grad scaler skipped the step)``: by reason, the first few of each."""
     last = int(seg.handed["step"]) if seg.handed is not None else None
     entries = [n for n in seg.r.data.not_trained if last is None or n["step"] <= last]
-    return "; ".join(f"{micro_text(n['spans'])} (step {n['step']}: {n['why']})" for n in entries)
+    texts = []
+    for why, alike in group_by(entries, lambda n: n["why"]).items():
+        shown = ", ".join(f"{micro_text(n['spans'])} at step {n['step']}" for n in alike[:UNTRAINED_SHOWN])
+        more = f" and {len(alike) - UNTRAINED_SHOWN} more" if len(alike) > UNTRAINED_SHOWN else ""
+        texts.append(f"{shown}{more} ({why})")
+    return "; ".join(texts)
 
 
 def _lost(seg: Segment) -> str:
