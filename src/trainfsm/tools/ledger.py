@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from trainfsm.tools import coverage, ledger_words
-from trainfsm.tools.ledger_words import ONCE, POSITIONS_ONCE, micro_text, proven
+from trainfsm.tools.ledger_words import ONCE, POSITIONS_ONCE, micro_text, proven, ranks_count
 from trainfsm.tools.replay import Problem, RankAttempt
 from trainfsm.tools.report import AttemptReport, group_by, ranks_text
 from trainfsm.trail.reader import Note
@@ -298,9 +298,9 @@ class Check:
         if saved and (claimed["epoch"], claimed["samples"]) != (saved["epoch"], saved["samples"]):
             self.problem(
                 first.r,
-                f"attempt {first.r.attempt} on {first.world} ranks continued from epoch {claimed['epoch']} position "
-                f"{claimed['samples']} (data_resumed.global), but checkpoint {step} saved epoch {saved['epoch']} "
-                f"position {saved['samples']}",
+                f"attempt {first.r.attempt} on {ranks_count(first.world)} continued from epoch {claimed['epoch']} "
+                f"position {claimed['samples']} (data_resumed.global), but checkpoint {step} saved epoch "
+                f"{saved['epoch']} position {saved['samples']}",
                 line,
             )
             return
@@ -318,10 +318,10 @@ class Check:
             ranks, micro = ranks_text([s.r.rank for s in group]), (group[0].begin or (0, 0))[1]
             self.problem(
                 group[0].r,
-                f"attempt {first.r.attempt} on {world} ranks says it continued checkpoint {step}'s position "
+                f"attempt {first.r.attempt} on {ranks_count(world)} says it continued checkpoint {step}'s position "
                 f"{claimed['samples']} of epoch {claimed['epoch']} (data_resumed.global), but {ranks} counted from "
-                f"micro-batch {micro} of epoch {epoch}, which is position {position} at {world} ranks with batches of "
-                f"{batch}: the ranks did not skip to the global position",
+                f"micro-batch {micro} of epoch {epoch}, which is position {position} at {ranks_count(world)} with "
+                f"batches of {batch}: the ranks did not skip to the global position",
                 line,
             )
 
@@ -457,9 +457,10 @@ class Check:
                 layout = seg.r.data.layout
                 if seg.how == "unchecked" or layout is None:
                     why = seg.why or f"its trail (format {seg.r.format}) records no data layout"
-                    return f"attempt {a} on {seg.world} ranks: {why}; which samples each rank drew is unknown"
+                    return f"attempt {a} on {ranks_count(seg.world)}: {why}; which samples each rank drew is unknown"
                 if layout.get("order") != "distributed" or not layout.get("batch_size"):
-                    return f"attempt {a} on {seg.world} ranks: the order of its samples is unknown: {layout.get('why')}"
+                    why = f"the order of its samples is unknown: {layout.get('why')}"
+                    return f"attempt {a} on {ranks_count(seg.world)}: {why}"
         return ""
 
     def _stretches(self) -> tuple[list[coverage.Stretch], dict[int, int], dict[int, int]]:

@@ -38,6 +38,11 @@ def proven(line: str) -> bool:
     return line.endswith((ONCE, POSITIONS_ONCE))
 
 
+def ranks_count(world: int | None) -> str:
+    """``4 ranks``, ``1 rank``."""
+    return f"{world} rank" if world == 1 else f"{world} ranks"
+
+
 def micro_text(spans: list[tuple[int, int, int]]) -> str:
     """``epoch 0 micro-batches 8-9 and epoch 1 micro-batch 0`` from (epoch, first, end) spans."""
     parts = []
@@ -142,7 +147,10 @@ def _after(segs: list[Segment]) -> str:
             texts.append(f", of which not trained{_who(segs, group)}: {text}")
     for text, group in group_by(segs, _lost).items():
         if text:
-            texts.append(f", then drew {text}{_who(segs, group)}, not kept")
+            killed = sum(1 for s in group if s.r.exit is None)
+            trails = "its trail ends" if killed == 1 else "their trails end"
+            short = f" (at least: {trails} there)" if killed else ""
+            texts.append(f", then drew {text}{_who(segs, group)}{short}, not kept")
     return "".join(texts)
 
 
@@ -171,9 +179,7 @@ def _lost(seg: Segment) -> str:
     if seg.kept_to is None or seg.end is None or seg.handed is None:
         return ""
     spans = seg.spans(seg.kept_to, seg.end)
-    if not spans:
-        return ""
-    return micro_text(spans) + (" (at least: its trail ends there)" if seg.r.exit is None else "")
+    return micro_text(spans) if spans else ""
 
 
 # -------------------------------------------------------------------- across world sizes: one line
@@ -207,7 +213,7 @@ def _attempt_part(check: Check, a: int, stretches: list[coverage.Stretch]) -> st
     if not segs:
         return f"attempt {a} ended before its data was positioned: drew nothing"
     first = segs[0]
-    head = f"attempt {a} on {first.world} ranks"
+    head = f"attempt {a} on {ranks_count(first.world)}"
     if first.how == "complete":
         return f"{head} resumed checkpoint {first.r.resumed_from_step} at max_steps: nothing left to draw"
     if first.save is not None:
@@ -220,7 +226,7 @@ def _attempt_part(check: Check, a: int, stretches: list[coverage.Stretch]) -> st
         positions.append(f"epoch {epoch} positions {text}")
     micro = group_by(segs, lambda s: micro_text(s.spans(s.begin or (0, 0), s.kept_to or s.begin or (0, 0))))
     if len(micro) == 1:
-        each = f"{next(iter(micro))} of each rank"
+        each = next(iter(micro)) + (" of each rank" if len(segs) > 1 else "")
     else:
         each = "; ".join(f"{ranks_text([s.r.rank for s in group])}: {text}" for text, group in micro.items())
     return f"{head} kept {' and '.join(positions) or 'no position'} ({each}; {_steps(first)}){_after(segs)}"
