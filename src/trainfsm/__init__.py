@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from trainfsm.checkpoint.store import CheckpointError
     from trainfsm.collectives import LossNoneWarning
+    from trainfsm.data_state import DataReshardError, EpochWarning
     from trainfsm.ddp_buckets import DDPBucketsWarning
     from trainfsm.hooks import (
         BaseHook,
@@ -55,6 +56,7 @@ _SOURCES: Final = {
             "EarlyStoppingHook",
             "EMAHook",
             "EmaHook",
+            "EpochWarning",
             "ImageFileLoggerHook",
             "LoggingHook",
             "ProgressHook",
@@ -68,6 +70,8 @@ _SOURCES: Final = {
     ),
     "GroupOutlivesDestroyWarning": "trainfsm.torch_workarounds",
     "DDPBucketsWarning": "trainfsm.ddp_buckets",
+    "DataReshardError": "trainfsm.data_state",
+    "EpochWarning": "trainfsm.data_state",
     "BaseTrainer": "trainfsm.trainer",
     "LossNoneWarning": "trainfsm.collectives",
     "key_average": "trainfsm.utils",
@@ -87,9 +91,11 @@ __all__ = [
     "CudaMaxMemoryHook",
     "CudaMemoryUnavailableWarning",
     "DDPBucketsWarning",
+    "DataReshardError",
     "EMAHook",
     "EarlyStoppingHook",
     "EmaHook",
+    "EpochWarning",
     "GroupOutlivesDestroyWarning",
     "ImageFileLoggerHook",
     "LoggingHook",

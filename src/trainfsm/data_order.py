@@ -78,15 +78,42 @@ class Layout:
         return {**fields, "epoch_samples": self.epoch_samples}
 
 
-def distributed_sampler(loader: Any) -> Any:
-    """The ``DistributedSampler`` that decides ``loader``'s order, or None."""
-    from torch.utils.data import DistributedSampler
+#: torchdata's stateful versions of torch's samplers: the same order, and a position they save.
+_TORCHDATA: Final = "torchdata.stateful_dataloader.sampler"
+
+
+def _own(value: Any, base: type, torchdata_name: str) -> bool:
+    """``value`` is ``base`` itself, or torchdata's stateful version of it: a subclass with an
+    ``__iter__`` of its own may draw any order, which the trainer cannot see."""
+    kind = type(value)
+    return kind is base or (kind.__module__ == _TORCHDATA and kind.__name__ == torchdata_name)
+
+
+def distributed_sampler(loader: Any) -> tuple[Any, str | None]:
+    """The ``DistributedSampler`` whose order ``loader``'s micro-batches follow, cut into
+    consecutive batches; else None and why not."""
+    from torch.utils.data import BatchSampler, DistributedSampler
 
     batch_sampler = getattr(loader, "batch_sampler", None)
-    for owner in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
-        if isinstance(owner, DistributedSampler):
-            return owner
-    return None
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
+    sampler = sampler if sampler is not None else getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler):
+        return None, (
+            f"{type(loader).__name__} draws no torch DistributedSampler, so the trainer cannot see which samples "
+            f"each rank draws (a DataLoader with sampler=DistributedSampler(dataset) makes it visible)"
+        )
+    if not _own(sampler, DistributedSampler, "StatefulDistributedSampler"):
+        return None, (
+            f"its sampler is {type(sampler).__name__}, a DistributedSampler of its own making: the trainer cannot "
+            f"tell which of the epoch's samples it gives each rank (torch's DistributedSampler, or torchdata's "
+            f"StatefulDistributedSampler, it can)"
+        )
+    if batch_sampler is not None and not _own(batch_sampler, BatchSampler, "BatchSampler"):
+        return None, (
+            f"its batch_sampler is {type(batch_sampler).__name__}: the trainer cannot tell how it groups the "
+            f"sampler's indices into batches (torch's BatchSampler, from batch_size=..., it can)"
+        )
+    return sampler, None
 
 
 def batch_size(loader: Any) -> int | None:
@@ -102,12 +129,9 @@ def layout_of(loader: Any, rank: int, world: int, accumulation: int, global_batc
     def unknown(why: str) -> Layout:
         return Layout(UNKNOWN, why, world, rank, batch_size(loader), None, None, None, None, global_batch, accumulation)
 
-    sampler = distributed_sampler(loader)
+    sampler, why = distributed_sampler(loader)
     if sampler is None:
-        return unknown(
-            f"{type(loader).__name__} draws no torch DistributedSampler, so the trainer cannot see which samples "
-            f"each rank draws (a DataLoader with sampler=DistributedSampler(dataset) makes it visible)"
-        )
+        return unknown(why)  # type: ignore[arg-type]
     if sampler.num_replicas != world or sampler.rank != rank:
         return unknown(
             f"the DistributedSampler is for rank {sampler.rank} of {sampler.num_replicas}, the process is rank "
@@ -117,6 +141,11 @@ def layout_of(loader: Any, rank: int, world: int, accumulation: int, global_batc
     if size is None:
         return unknown("the data loader's batch size is unknown (neither loader.batch_size nor its batch_sampler's)")
     length = len(sampler.dataset)
+    if global_batch is not None and length < global_batch:
+        raise ValueError(
+            f"global_batch_size={global_batch} is larger than the dataset ({length} samples): an epoch would hold "
+            f"no full global batch. Choose a global_batch_size of at most {length}."
+        )
     loader_drops = bool(
         getattr(getattr(loader, "batch_sampler", None), "drop_last", getattr(loader, "drop_last", False))
     )
@@ -159,11 +188,18 @@ def accumulation_for(global_batch: int, batch_size: int | None, world: int) -> i
         )
     per_micro = batch_size * world
     if global_batch % per_micro:
+        fits = [size for size in range(1, global_batch // batch_size + 1) if global_batch % (size * batch_size) == 0]
+        sizes = (
+            f"the numbers of ranks that fit it: {', '.join(map(str, fits))}" if fits else "no number of ranks fits it"
+        )
+        batches = [size for size in range(1, global_batch // world + 1) if global_batch % (size * world) == 0]
+        per_rank = (
+            f"; or on {world} ranks a batch_size of {', '.join(map(str, batches))}" if global_batch % world == 0 else ""
+        )
         raise ValueError(
             f"global_batch_size={global_batch} is not a multiple of world_size {world} x the data loader's "
             f"batch_size {batch_size} = {per_micro} samples per micro-batch, so no whole number of micro-batches "
-            f"makes it. Choose a global_batch_size divisible by {per_micro}, or a per-rank batch size that "
-            f"divides {global_batch} / {world}."
+            f"makes it. With batch_size {batch_size}, {sizes}{per_rank}."
         )
     return global_batch // per_micro
 

@@ -27,9 +27,12 @@ no random numbers.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import itertools
+import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -39,6 +42,10 @@ import torch
 from trainfsm import activity, data_order, rng
 
 MODES: Final = ("auto", "state", "sampler", "skip", "none")
+
+#: The longest EXIT waits for the batch after an exiting save (``DataCursor.fingerprint_at_exit``);
+#: part of the deadline's ``EXIT_SECONDS``.
+EXIT_DRAW_SECONDS: Final = 1.0
 
 
 def has_state(loader: Any) -> bool:
@@ -271,6 +278,30 @@ class Resumed:
         }
 
 
+class EpochWarning(UserWarning):
+    """The dataset's ``set_epoch`` cannot reach where it would matter."""
+
+
+def warn_unreached_epochs(loader: Any) -> None:
+    """A dataset with ``set_epoch`` (an iterable one that shuffles by epoch) is told each epoch
+    in the training process; persistent loader workers keep the copy they were made with, so
+    every epoch would repeat the first one's order there."""
+    dataset = getattr(loader, "dataset", None)
+    if (
+        callable(getattr(dataset, "set_epoch", None))
+        and getattr(loader, "persistent_workers", False)
+        and getattr(loader, "num_workers", 0) > 0
+    ):
+        warnings.warn(
+            f"{type(dataset).__name__}.set_epoch is called in the training process each epoch, but the loader's "
+            f"persistent_workers keep the copies of the dataset they were made with, which never hear of it: "
+            f"every epoch would draw the first one's order. Pass persistent_workers=False (workers are then made "
+            f"anew each epoch from the told dataset), or have the dataset read the epoch from shared memory.",
+            EpochWarning,
+            stacklevel=2,
+        )
+
+
 class DataReshardError(RuntimeError):
     """A resume on another number of ranks cannot train each sample once, and the user did not
     accept an approximation."""
@@ -370,11 +401,13 @@ class DataCursor:
         self.reshard = "exact"
         self.saved = False  # state() was taken since the last fingerprint (``fingerprint_after_save``)
         self._pending: list[tuple[str, int | None]] = []  # fingerprints the next draw records
+        self._drawing: threading.Thread | None = None  # ``fingerprint_at_exit``'s draw
 
     def attach(
         self, loader: Iterable[Any], max_epochs: int | None, log: Any, layout: data_order.Layout | None = None
     ) -> None:
         self.loader, self.max_epochs, self.log = loader, max_epochs, log
+        warn_unreached_epochs(loader)
         self.layout = layout
         self._layout_event = layout.as_event() if layout is not None else None
         if layout is not None and layout.exact and layout.global_batch is not None:
@@ -407,24 +440,26 @@ class DataCursor:
             return None
         mode, saved, rng_state, rng_how = self._resume
         sizes: dict[str, Any] = {"from_world_size": None, "global": saved.get("global"), "exact": True}
+        why = None
         if "resize" in saved:
-            mode, saved, sizes = self._continuation(mode, saved["resize"], rng_state, self.reshard)
+            mode, why, saved, sizes = self._continuation(mode, saved["resize"], rng_state, self.reshard)
         elif self.layout is not None:
             sizes["from_world_size"] = self.layout.world_size
         resumed = resume(self.loader, mode, saved)  # type: ignore[arg-type]
         self.iterator, self.batches, self.epoch_rng = resumed.iterator, resumed.batches, resumed.epoch_rng
         if rng_state is not None:
             rng.restore(rng_state)
-        return Resumed(
-            **{**resumed.__dict__, "sizes": {**sizes, "approximate": sizes.get("approximate"), "rng": rng_how}}
-        )
+        if resumed.mode == "none":  # a fresh pass: the position was not continued (asked for, or not saved)
+            sizes = {**sizes, "exact": False, "approximate": sizes.get("approximate") or resumed.why}
+        why = why if why is not None and resumed.mode != "none" else resumed.why
+        return Resumed(**{**resumed.__dict__, "why": why, "sizes": {"approximate": None, **sizes, "rng": rng_how}})
 
     def _continuation(
         self, mode: str, old: list[dict[str, Any]], rng_state: dict[str, Any] | None, reshard: str
-    ) -> tuple[str, dict[str, Any], dict[str, Any]]:
-        """The mode and per-rank position that continue ``old`` (every old rank's position) at
-        this world size (``trainfsm.data_order``); a DataReshardError when that is not exact and
-        ``reshard`` is "exact"."""
+    ) -> tuple[str, str | None, dict[str, Any], dict[str, Any]]:
+        """The mode (and why, when this chose it), the per-rank position that continue ``old``
+        (every old rank's position) at this world size (``trainfsm.data_order``), and the trail's
+        fields; a DataReshardError when that is not exact and ``reshard`` is "exact"."""
         layout = self.layout
         assert layout is not None
         continuation = data_order.continue_at(old, layout)
@@ -438,15 +473,23 @@ class DataCursor:
                     f"anyway (the trail records it and `trainfsm audit` notes it)."
                 )
             sizes["approximate"] = continuation.reason
-        saved = continuation.data
+        saved, why = continuation.data, None
         if continuation.global_position is not None:
             # Positioned by this rank's own micro-batch count at the new size: the old loader state
             # is another rank's at another size, and the epoch's random state this rank's own.
             saved = {**saved, "loader": None, "epoch_rng": rng_state or epoch_start(self.loader)}
-            mode, _ = choose(mode, self.loader)
-            if mode == "state":
-                mode = "skip"  # replayed, so a stateful loader's own state counts from the epoch's start
-        return mode, saved, sizes
+            mode, why = choose(mode, self.loader)
+            if mode == "state":  # replayed, so that a stateful loader's own state counts from the epoch's start
+                mode, why = (
+                    "skip",
+                    (
+                        f"another world size ({len(old)} -> {layout.world_size}): the loader's saved state is another "
+                        f"rank's, so this rank's share of the epoch so far is replayed"
+                    ),
+                )
+            else:
+                why = f"another world size ({len(old)} -> {layout.world_size}): {why}"
+        return mode, why, saved, sizes
 
     def next(self) -> Any:
         """The next batch, into the next epoch when one ends; ``EXHAUSTED`` after ``max_epochs``."""
@@ -476,6 +519,8 @@ class DataCursor:
 
     def close(self) -> None:
         iterator, self.iterator = self.iterator, None
+        if self._drawing is not None and self._drawing.is_alive():
+            return  # still in the exit's draw (``fingerprint_at_exit``): the process's end takes it
         close_iterator(iterator)
 
     def fingerprint_after_save(self, step: int) -> None:
@@ -485,22 +530,49 @@ class DataCursor:
             self.saved = False
             self.fingerprint_next("save", step)
 
-    def fingerprint_at_exit(self, step: int) -> None:
+    def fingerprint_at_exit(self, step: int, budget: float = EXIT_DRAW_SECONDS) -> None:
         """Leaving CHECKPOINT for EXIT after a save (preemption, the deadline, the last step): draw
         the batch a resume from it must draw first, fingerprint it, and drop it (it is not trained;
-        the checkpoint holds the position before it). Within the epoch only: a new epoch's
-        iterator (and its workers) is not started for it. A loader that fails here costs the
-        trail this one fingerprint, never the run."""
+        the checkpoint holds the position before it). At an epoch's end that is the next epoch's
+        first batch, from an iterator of its own (the cursor's epoch stays). The draw runs on a
+        thread and is waited for ``budget`` seconds at most, so a stalled loader cannot hold the
+        exit: the event then has no fingerprint, and the iterator is left as it is. A loader that
+        fails here costs the trail this one fingerprint, never the run."""
         if not self.saved or self.iterator is None:
             return
         self.saved = False
-        if self.batches == self.limit:
-            return
-        try:
-            batch = next(self.iterator)
-        except Exception:  # StopIteration (the epoch's end) or the loader's own failure
-            return
-        self._record(batch, [("save", step)], self.batches + 1)
+        found: list[tuple[Any, int, int]] = []
+
+        def draw() -> None:
+            with contextlib.suppress(Exception):  # StopIteration at the data's end, or the loader's own failure
+                if self.batches != self.limit:
+                    with contextlib.suppress(StopIteration):
+                        found.append((next(self.iterator), self.epoch, self.batches + 1))  # type: ignore[arg-type]
+                        return
+                if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
+                    return  # nothing follows: a resume from here ends the run
+                set_epoch(self.loader, self.epoch + 1)
+                iterator = iter(self.loader)  # type: ignore[arg-type]
+                found.append((next(iterator), self.epoch + 1, 1))
+                close_iterator(iterator)
+
+        self._drawing = threading.Thread(target=draw, name="trainfsm-exit-draw", daemon=True)
+        self._drawing.start()
+        self._drawing.join(budget)
+        if self._drawing.is_alive():  # abandoned: EXIT goes on; the ledger says this save is unchecked
+            self.log.info(
+                "batch_fingerprint", after="save", from_step=step, epoch=self.epoch, batches=None, fingerprint=None
+            )
+        elif found:
+            batch, epoch, batches = found[0]
+            self.log.info(
+                "batch_fingerprint",
+                after="save",
+                from_step=step,
+                epoch=epoch,
+                batches=batches,
+                fingerprint=fingerprint(batch),
+            )
 
     def fingerprint_next(self, after: str, step: int | None) -> None:
         """Have the next draw record a ``batch_fingerprint`` (``after``: ``"save"``, ``"resume"``

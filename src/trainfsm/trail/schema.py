@@ -205,7 +205,8 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     ),
     "batch_fingerprint": (
         "`after` (`save` or `resume`), `from_step` (the checkpoint's step), `epoch`, "
-        "`batches` (the position after drawing it), `fingerprint` (a hash of the batch's contents)",
+        "`batches` (the position after drawing it), `fingerprint` (a hash of the batch's contents; `batches` and "
+        "`fingerprint` null: at an exiting save, the batch did not come within `EXIT_DRAW_SECONDS`, 1 s)",
         "the first batch drawn after a save (when the run leaves after it, drawn then and not trained), after "
         "a resume (each rank): the data ledger checks that a resumed run draws the batch the saving run "
         "would have drawn next (and names where it began when not, from the `epoch` events)",
