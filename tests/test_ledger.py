@@ -204,6 +204,22 @@ def test_an_attempt_that_ended_while_restore_positioned_its_data_drew_nothing_an
     ]
 
 
+def test_an_attempt_no_later_attempt_resumed_from_kept_nothing(tmp_path: Path) -> None:
+    """Attempt 1 resumes checkpoint 8 and fails in step 11 before its next save; attempt 2 resumes
+    checkpoint 8 again: the run's weights come from attempts 0 and 2 (the lineage), not 1."""
+    launch(tmp_path, "--steps", "8")
+    with pytest.raises(RuntimeError, match="planted: --fail-at 11"):
+        launch(tmp_path, "--fail-at", "11")
+    launch(tmp_path)
+    (line,) = audit.audit([tmp_path]).ledger
+    assert line == (
+        "rank 0: attempt 0 kept epoch 0 micro-batches 0-7 (steps 1-8, saved in checkpoint 8); attempt 1 resumed "
+        "checkpoint 8 and drew epoch 0 micro-batches 8-9 and epoch 1 micro-batch 0 (steps 9-10), not kept: no later "
+        "attempt resumed from its checkpoints; attempt 2 resumed checkpoint 8 and kept epoch 0 micro-batches 8-9 and "
+        f"epoch 1 micro-batches 0-1 (steps 9-12): {ONCE}"
+    )
+
+
 # ---------------------------------------------------------------- planted breaks
 def test_a_loader_whose_load_state_dict_does_nothing_preempted_and_resumed_is_named_with_what_it_trained_twice(
     tmp_path: Path,

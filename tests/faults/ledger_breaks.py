@@ -7,7 +7,8 @@ breaks of exactly-once data are planted on purpose.
         [--loss-none-at 6] [--non-finite-at 7] [--fp16] [--accumulation 3 --max-epochs 2] [--fail-in-restore]
 
 ``--kill-at S``: the first launch SIGKILLs itself in step S's forward (a node lost).
-``--signal-at S``: the first launch sends itself SIGUSR1 as step S begins: it saves at the end of
+``--fail-at S``: the first launch's step S raises (the attempt fails, its steps since the last
+save lost). ``--signal-at S``: the first launch sends itself SIGUSR1 as step S begins: it saves at the end of
 step S and exits 138 (preempted: the normal requeue path, no kill).
 ``--plant other-position:K``: the resume restores the data position of checkpoint K instead of
 the one it loads (a user's ``load_state_dict`` that mixes up two checkpoints).
@@ -135,6 +136,9 @@ class Trainer(BaseTrainer):
         if self.step == self.args.kill_at and not (self.workspace / "killed").exists():  # type: ignore[operator]
             (self.workspace / "killed").touch()  # type: ignore[operator]
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.step == self.args.fail_at and not (self.workspace / "failed").exists():  # type: ignore[operator]
+            (self.workspace / "failed").touch()  # type: ignore[operator]
+            raise RuntimeError(f"planted: --fail-at {self.step}")
         if self.step == self.args.signal_at and not (self.workspace / "signalled").exists():  # type: ignore[operator]
             (self.workspace / "signalled").touch()  # type: ignore[operator]
             os.kill(os.getpid(), signal.SIGUSR1)  # taken at the step's end: saved, then exit 138
@@ -164,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=int, default=4)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--signal-at", type=int, default=-1)
+    parser.add_argument("--fail-at", type=int, default=-1)
     parser.add_argument("--loss-none-at", type=int, default=-1)
     parser.add_argument("--non-finite-at", type=lambda text: [int(s) for s in text.split(",")], default=[])
     parser.add_argument("--fail-in-restore", action="store_true")
