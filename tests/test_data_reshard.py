@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from tests.distributed.launch import ROOT, Ranks, events, finish_logged, free_port, start_logged, torchrun_argv
-from trainfsm.tools import inspect_checkpoint
+from tests.helpers import ledger_problem
+from trainfsm.tools import audit, inspect_checkpoint
 
 WORKER = ROOT / "tests" / "distributed" / "reshard_worker.py"
 SAMPLES, GLOBAL, STEPS = 100, 24, 8  # two epochs of 4 steps
@@ -82,6 +83,8 @@ def test_4_then_2_then_3_ranks_train_each_sample_of_both_epochs_once(tmp_path: P
     assert set(in_process(workspace, 2, "--preempt-at", "6").values()) == {138}
     assert set(in_process(workspace, 3).values()) == {0}
     assert_each_sample_once(workspace)
+    assert ledger_problem(workspace) == ""  # `trainfsm audit` proves it from the trail alone
+    assert audit.audit([workspace]).ledger[0].startswith("all ranks, world size 4 → 2 → 3: ")
     first, second = resumed(workspace)
     assert (first["from_world_size"], first["exact"], first["approximate"]) == (4, True, None)
     assert first["global"] == {"epoch": 0, "samples": first["from_step"] * GLOBAL}
@@ -105,7 +108,11 @@ def test_without_the_global_position_the_planted_resume_trains_samples_twice(tmp
     assert set(in_process(workspace, 4, "--preempt-at", "2").values()) == {138}
     assert set(in_process(workspace, 2, "--plant", "rank0").values()) == {0}
     counts = trained(workspace)
-    assert any(n > 1 for n in counts[0].values())
+    twice = sorted(index for index, n in counts[0].items() if n > 1)
+    assert twice
+    report = audit.audit([workspace])  # and the audit names them, from the trail alone
+    [problem] = [p.message for p in report.run_problems if p.kind == "ledger" and "trained twice" in p.message]
+    assert f"{len(twice)} positions of its order trained twice" in problem
 
 
 @pytest.mark.slow
@@ -118,3 +125,4 @@ def test_under_torchrun_4_then_2_then_3_ranks_train_each_sample_once(loader: str
     assert torchrun(workspace, 3, *options) == 0
     assert_each_sample_once(workspace)
     assert [(e["from_world_size"], e["exact"]) for e in resumed(workspace)] == [(4, True), (2, True)]
+    assert ledger_problem(workspace) == ""

@@ -22,6 +22,8 @@ import pytest
 
 from tests.distributed.launch import ROOT, events
 from tests.faults import two_nodes
+from tests.helpers import ledger_problem
+from trainfsm.tools import audit
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="torchrun, /proc and prctl: Linux"),
@@ -283,6 +285,8 @@ def test_under_elastic_membership_the_node_left_after_a_loss_trains_on_alone(tmp
     assert resumed["batches"] == resumed["global"]["samples"] // 32  # its own share: all of it, alone
     layouts = [e for e in events(agents.workspace, 0) if e["event"] == "data_layout"]
     assert [(e["world_size"], e["accumulation"]) for e in layouts] == [(2, 1), (1, 2)]
+    assert ledger_problem(agents.workspace) == ""  # each sample once across the change, from the trail
+    assert audit.audit([agents.workspace]).ledger[0].startswith("all ranks, world size 2 → 1: ")
 
 
 @pytest.mark.faults
