@@ -25,19 +25,11 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from tests.cli_helpers import SignalAtStep
 from tests.helpers import TinyTrainer, make_batches, trail_events
+from tests.test_data_order import Log
 from tests.test_data_resume import Samples, Trainer, _shuffled_partial_batches, stateful_dataloader, train
 from trainfsm import CheckpointingHook, data_order, rng
 from trainfsm.data_state import EXHAUSTED, EXIT_DRAW_SECONDS, DataCursor
 
-
-class Log:
-    def __init__(self) -> None:
-        self.records: list[tuple[str, dict[str, Any]]] = []
-
-    def debug(self, event: str, **fields: Any) -> None:
-        self.records.append((event, fields))
-
-    info = debug
 
 
 def epoch_order(n: int, epoch: int = 0, seed: int = 0) -> list[int]:
