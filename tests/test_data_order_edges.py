@@ -31,7 +31,6 @@ from trainfsm import CheckpointingHook, data_order, rng
 from trainfsm.data_state import EXHAUSTED, EXIT_DRAW_SECONDS, DataCursor
 
 
-
 def epoch_order(n: int, epoch: int = 0, seed: int = 0) -> list[int]:
     """``DistributedSampler(shuffle=True, seed=seed)``'s order of ``epoch``, at any world size."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
