@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.fake_slurm import FakeSlurm
-from tests.helpers import Slow, TinyTrainer, parameters, read_events
+from tests.helpers import Slow, TinyTrainer, make_batches, parameters, read_events
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
 from trainfsm.checkpoint import io as checkpoint_io
 from trainfsm.checkpoint.background import WriteTimes
@@ -485,3 +485,47 @@ def test_with_two_ranks_rank_0s_deadline_reaches_rank_1_through_the_step_agreeme
     assert report.consistent and report.ended_well, (report.problems, report.run_problems)
     timing = report.attempts[0].as_dict()["preemption"]
     assert timing["cause"] == "deadline" and timing["margin"] > 0
+
+
+class SkipsOneOnLoad:
+    """``make_batches(16)`` per epoch, with a position of its own that ``load_state_dict`` sets one
+    micro-batch too far."""
+
+    def __init__(self) -> None:
+        self.batches, self.position = make_batches(16), 0
+
+    def __iter__(self) -> Any:
+        while self.position < len(self.batches):
+            self.position += 1
+            yield self.batches[self.position - 1]
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"] + 1
+
+
+@pytest.mark.slow  # ~12 s: the job's end is 9 s away
+def test_a_loader_that_skips_a_micro_batch_after_a_deadline_save_is_named_by_the_audit(
+    tmp_path: Path, fake_slurm: FakeSlurm
+) -> None:
+    """The deadline's save is one the run leaves by: the micro-batch a resume must draw first is
+    drawn at exit and fingerprinted, so a loader that resumes one micro-batch too far is caught."""
+    workspace = tmp_path / "run"
+    fake_slurm.end_in(9.0)
+    first = trainer(workspace, steps=1000, job_end_margin=0.25, stall_timeout=None, batches=SkipsOneOnLoad())
+    with pytest.raises(SystemExit) as info:
+        first.train()
+    assert info.value.code == 128 + signal.SIGTERM
+    [agreed] = [e for e in read_events(workspace) if e["event"] == "signal_agreed"]
+    step = agreed["agreed_step"]
+    fake_slurm.end_in(3600.0)
+    second = trainer(workspace, steps=step + 2, slow=0.0, job_end_margin=0.25, batches=SkipsOneOnLoad())
+    second.train()
+    [problem] = [p.message for p in audit.audit([workspace]).run_problems if p.kind == "ledger"]
+    assert problem.startswith(
+        f"rank 0, attempt 1: the first micro-batch after resuming from checkpoint {step} is not the one attempt 0 "
+        "drew after saving it"
+    ), problem
