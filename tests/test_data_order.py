@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from trainfsm import data_order, rng
-from trainfsm.data_state import DataCursor, DataReshardError
+from trainfsm.data_cursor import DataCursor, DataReshardError
 
 
 def loader(n: int, world: int, rank: int, batch: int, drop_last: bool = False, seed: int = 0) -> DataLoader[Any]:

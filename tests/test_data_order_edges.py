@@ -28,7 +28,7 @@ from tests.helpers import TinyTrainer, make_batches, trail_events
 from tests.test_data_order import Log
 from tests.test_data_resume import Samples, Trainer, _shuffled_partial_batches, stateful_dataloader, train
 from trainfsm import CheckpointingHook, data_order, rng
-from trainfsm.data_state import EXHAUSTED, EXIT_DRAW_SECONDS, DataCursor
+from trainfsm.data_cursor import EXHAUSTED, EXIT_DRAW_SECONDS, DataCursor
 
 
 def epoch_order(n: int, epoch: int = 0, seed: int = 0) -> list[int]:
@@ -135,7 +135,7 @@ def test_a_loader_whose_order_is_not_order_r_w_is_not_continued_as_exact(make: A
 
 
 def data_order_error() -> type[Exception]:
-    from trainfsm.data_state import DataReshardError
+    from trainfsm.data_cursor import DataReshardError
 
     return DataReshardError
 

@@ -34,6 +34,7 @@ ROOMS: dict[str, int] = {
     "trail": 1,
     "collectives": 2,
     "data_state": 2,
+    "data_cursor": 2,
     "checkpoint": 3,
     "preemption": 3,
     "step": 4,

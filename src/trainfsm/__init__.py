@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from trainfsm.checkpoint.store import CheckpointError
     from trainfsm.collectives import LossNoneWarning
-    from trainfsm.data_state import DataReshardError, EpochWarning
+    from trainfsm.data_cursor import DataReshardError, EpochWarning
     from trainfsm.ddp_buckets import DDPBucketsWarning
     from trainfsm.hooks import (
         BaseHook,
@@ -70,8 +70,8 @@ _SOURCES: Final = {
     ),
     "GroupOutlivesDestroyWarning": "trainfsm.torch_workarounds",
     "DDPBucketsWarning": "trainfsm.ddp_buckets",
-    "DataReshardError": "trainfsm.data_state",
-    "EpochWarning": "trainfsm.data_state",
+    "DataReshardError": "trainfsm.data_cursor",
+    "EpochWarning": "trainfsm.data_cursor",
     "BaseTrainer": "trainfsm.trainer",
     "LossNoneWarning": "trainfsm.collectives",
     "key_average": "trainfsm.utils",

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from trainfsm.data_state import DataCursor
+    from trainfsm.data_cursor import DataCursor
     from trainfsm.run import Hooks
     from trainfsm.trainer import BaseTrainer
 

@@ -6,7 +6,7 @@ fire next; ``train()`` alternates the two until EXIT. Hook methods are called by
 (``trainfsm.run.Hooks``), from these methods and from the two state entries the trainer binds
 (``_begin_step``, ``_enter_exit``); the audit events are recorded by the machine's transitions.
 What a run needs while it runs is in ``trainfsm.run.Run``; preemption in
-``trainfsm.preemption``; the data position in ``trainfsm.data_state.DataCursor``; the tensor work
+``trainfsm.preemption``; the data position in ``trainfsm.data_cursor.DataCursor``; the tensor work
 of a step in ``trainfsm.step.Stepper``.
 """
 
@@ -25,7 +25,7 @@ from trainfsm import data_order, ddp_buckets, resume
 from trainfsm import machine as fsm
 from trainfsm import options as check
 from trainfsm.collectives import LossNoneAgreement, LossNoneWarning, loss_none_ranks
-from trainfsm.data_state import EXHAUSTED, DataCursor
+from trainfsm.data_cursor import EXHAUSTED, DataCursor
 from trainfsm.hooks.base import BaseHook
 from trainfsm.machine import ExitReason
 from trainfsm.preemption.deadline import Deadline

@@ -33,7 +33,7 @@ The figures:
   plus the rest of a write in flight, which the preemption's CHECKPOINT waits for first; 0 for
   synchronous saves;
 - ``exit``: ``EXIT_SECONDS``, for EXIT's hooks, the batch drawn for the data ledger after the
-  save (``data_state.EXIT_DRAW_SECONDS`` at most), ``scontrol requeue``, the trail's close and
+  save (``data_cursor.EXIT_DRAW_SECONDS`` at most), ``scontrol requeue``, the trail's close and
   the interpreter's end;
 - ``margin``: ``job_end_margin`` seconds, or with ``"auto"`` the larger of ``AUTO_MARGIN_FLOOR``
   and ``AUTO_MARGIN_SHARE`` of the rest: steps vary, a save may meet a slow file system, and the
