@@ -454,3 +454,33 @@ def test_no_notice_on_stderr_when_the_logger_already_shows_the_events(
     captured = capsys.readouterr()
     assert "trainfsm:" not in captured.err
     assert "checkpoint_loaded" in captured.out
+
+
+def test_a_ctrl_c_while_the_machine_is_set_up_is_recorded_as_the_runs_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGINT is not an exit signal here (a KeyboardInterrupt, as in trainloop). One that lands
+    after the trail opened, while the machine compiles, is held until the machine can record it:
+    the trail has the failure's transition, the exception and the exit (found by the SIGINT fault
+    trial, which once hit this window)."""
+    from trainfsm import machine
+
+    compile_events = machine.TrainMachine.compile_events
+
+    def interrupted(self: Any, *args: Any) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # delivered by now, unless held
+        compile_events(self, *args)
+
+    monkeypatch.setattr(machine.TrainMachine, "compile_events", interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # tests start with SIGINT ignored
+    try:
+        trainer = TinyTrainer(max_steps=3, workspace=tmp_path)
+        trainer.set_exit_signals([signal.SIGTERM])
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    events = read_events(tmp_path)
+    assert [e["event"] for e in events] == ["run_start", "exception", "transition", "exit"]
+    assert (events[1]["type"], events[2]["trigger"], events[2]["dest"]) == ("KeyboardInterrupt", "fail", "EXIT")

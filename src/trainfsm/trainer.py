@@ -30,6 +30,7 @@ from trainfsm.hooks.base import BaseHook
 from trainfsm.machine import ExitReason
 from trainfsm.preemption.deadline import Deadline
 from trainfsm.preemption.policy import ExitPolicy, Preemption, exit_policy
+from trainfsm.preemption.signals import hold_interrupt, release_interrupt
 from trainfsm.run import Hooks, Run, open_trail
 from trainfsm.step import Stepper, retries_used_up
 from trainfsm.step_info import StepInfo
@@ -281,14 +282,21 @@ class BaseTrainer(fsm.Triggers):
     def _drive(self, preemption: Preemption) -> None:
         machine = fsm.build_machine(self)
         event_log, logs = open_trail(self, preemption)
-        run = self._run = Run(machine, event_log, preemption, logs, Hooks(self, []))
-        # The trainer's own bookkeeping is bound (and the machine compiled) before any user code
-        # runs, so that a failure in BUILD is recorded like any other: transition, exception, exit.
-        fsm.bind(machine, "enter", fsm.STEP, self._begin_step)
-        fsm.bind(machine, "enter", fsm.EXIT, self._enter_exit)
-        fsm.bind(machine, "enter", fsm.EXIT, self._finish_exit)
-        machine.compile_events(self, event_log.transition_recorder)
-        run.watchdog = self._watchdog(machine.progress, run)
+        # A Ctrl-C that is not an exit signal raises KeyboardInterrupt wherever it lands: held
+        # until the machine below can record it (a failure, its transition and exit).
+        held = hold_interrupt()
+        try:
+            run = self._run = Run(machine, event_log, preemption, logs, Hooks(self, []))
+            # The trainer's own bookkeeping is bound (and the machine compiled) before any user code
+            # runs, so that a failure in BUILD is recorded like any other: transition, exception, exit.
+            fsm.bind(machine, "enter", fsm.STEP, self._begin_step)
+            fsm.bind(machine, "enter", fsm.EXIT, self._enter_exit)
+            fsm.bind(machine, "enter", fsm.EXIT, self._finish_exit)
+            machine.compile_events(self, event_log.transition_recorder)
+            run.watchdog = self._watchdog(machine.progress, run)
+        except BaseException:
+            release_interrupt(held)
+            raise
         # What each state does, returning the trigger that leaves it (None: EXIT, the end).
         work: dict[str, Callable[[], Callable[[], bool] | None]] = {
             fsm.BUILD: self._build,
@@ -300,6 +308,7 @@ class BaseTrainer(fsm.Triggers):
             fsm.EXIT: lambda: None,
         }
         try:
+            release_interrupt(held)  # a Ctrl-C held since the trail opened is raised here, and recorded
             trigger = work[self.state]()
             while trigger is not None:
                 trigger()

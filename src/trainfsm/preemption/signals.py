@@ -141,6 +141,30 @@ def state_at_start(signals: Iterable[signal.Signals]) -> dict[str, list[str]]:
     return {"ignored": ignored, "blocked": blocked, "pending": pending}
 
 
+def hold_interrupt() -> list[int] | None:
+    """While ``train()`` sets up its machine (milliseconds), a Ctrl-C that would raise
+    KeyboardInterrupt (Python's default SIGINT handler) is noted instead, and raised by
+    ``release_interrupt`` once the machine can record it. None (nothing held) when SIGINT has
+    another handler, or outside the main thread. A signal mask would not do: a process-directed
+    SIGINT goes to any thread that does not block it, and Python then raises in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return None
+    arrived: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: arrived.append(signum))
+    return arrived
+
+
+def release_interrupt(held: list[int] | None) -> None:
+    """Python's SIGINT handler back; a Ctrl-C that came while held is raised here."""
+    if held is None:
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
+
+
 def disposition(handler: Any) -> str:
     """How a signal's handler before ``train()`` treats it: ``default``, ``ignored`` or ``handler``."""
     if handler is signal.SIG_IGN:
