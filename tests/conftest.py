@@ -33,7 +33,14 @@ def events(tmp_path: Path) -> Callable[[], list[dict[str, Any]]]:
 # ---------------------------------------------------------------- the tiers (tests/tiers.py) and xdist
 #: The modules that take longest in `make test-all` (minutes each on 2 cores): sent to the workers
 #: first, so that neither is left running one of them alone at the end.
-LONGEST = ("tests/test_two_nodes.py", "tests/test_faults.py", "tests/test_torchrun_preemption.py", "tests/slurm/")
+LONGEST = (
+    "tests/slurm/test_job_end.py",  # ~500 s on one worker in CI: first, or it ends the run alone
+    "tests/test_faults.py",
+    "tests/test_two_nodes.py",
+    "tests/test_faults_sigusr1.py",
+    "tests/test_torchrun_preemption.py",
+    "tests/slurm/",
+)
 #: Markers of the kinds of tests that start processes: their modules come next.
 HEAVY = ("slow", "slurm", "distributed", "faults", "docs")
 

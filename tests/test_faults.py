@@ -37,12 +37,16 @@ SIGNAL_TRIALS = 8
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="signal fault trials run on Linux")
-# SIGUSR1 takes the same path as SIGTERM (both exit signals): its trials run in `make test-all` only.
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
 @trial_counts(fast=1, full=SIGNAL_TRIALS)
 def test_a_signal_at_any_moment_of_train_preempts_or_checkpoints_at_the_agreed_step(
-    capsys: pytest.CaptureFixture[str], sig: signal.Signals, trials: int
+    capsys: pytest.CaptureFixture[str], trials: int
 ) -> None:
+    """SIGTERM; SIGUSR1 in ``tests/test_faults_sigusr1.py`` (a module of its own, so that the
+    full tier's two longest trial series run side by side)."""
+    signal_trials(capsys, signal.SIGTERM, trials)
+
+
+def signal_trials(capsys: pytest.CaptureFixture[str], sig: signal.Signals, trials: int) -> None:
     """At least 20 signals per signal, drawn over the whole life of train() (BUILD included). 8
     trials of up to 3 signals: a signal that lands once training is complete ends its trial early,
     and one drawn after the process ended is not sent, so the full count runs further trials (at
