@@ -55,7 +55,8 @@ class DataReshardError(RuntimeError):
 
 def fingerprint(batch: Any) -> str:
     """A short hash of a batch's contents (tensors' bytes, other leaves' ``repr``, in a fixed order):
-    the same batch gives the same fingerprint in any process. Used once per save and per resume."""
+    the same batch gives the same fingerprint in any process. Used once per save, per resume and
+    per epoch (its first batch), never per step."""
     hasher = hashlib.blake2b(digest_size=8)
 
     def feed(value: Any) -> None:
