@@ -47,35 +47,24 @@ class Layout:
     epoch_batches: int | None  # micro-batches this rank draws per epoch
     global_batch: int | None  # G, when the user stated it
     accumulation: int
+    #: Positions of the epoch's order trained per epoch by all ranks together: with G, ``(N // G) * G``;
+    #: else the sampler's own epoch (padded or cut to a multiple of W; a short last micro-batch counts
+    #: its samples).
+    epoch_samples: int | None = None
 
     @property
     def exact(self) -> bool:
         return self.order == DISTRIBUTED
 
-    @property
-    def epoch_samples(self) -> int | None:
-        """Positions of the epoch's order trained per epoch by all ranks together."""
-        if not self.exact or self.epoch_batches is None:
-            return None
-        if self.global_batch is not None:
-            return self.epoch_batches * self.batch_size * self.world_size  # type: ignore[operator]
-        return self._natural_samples
-
-    # The sampler's own epoch (padded or truncated to a multiple of W; a short last micro-batch
-    # counts its samples): set by ``layout_of``.
-    _natural_samples: int | None = None
-
     def samples(self, batches: int) -> int:
-        """The global position after ``batches`` micro-batches on every rank."""
+        """The global position after ``batches`` micro-batches on every rank (a short last
+        micro-batch holds fewer than B: the epoch's end caps it)."""
         assert self.batch_size is not None
         used = batches * self.batch_size * self.world_size
-        total = self.epoch_samples
-        return min(used, total) if total is not None and batches >= (self.epoch_batches or 0) else used
+        return used if self.epoch_samples is None else min(used, self.epoch_samples)
 
     def as_event(self) -> dict[str, Any]:
-        fields = asdict(self)
-        del fields["_natural_samples"]
-        return {**fields, "epoch_samples": self.epoch_samples}
+        return asdict(self)
 
 
 #: torchdata's stateful versions of torch's samplers: the same order, and a position they save.
@@ -151,9 +140,11 @@ def layout_of(loader: Any, rank: int, world: int, accumulation: int, global_batc
     )
     per_rank = sampler.num_samples
     natural_batches = per_rank // size if loader_drops else -(-per_rank // size)
-    natural_samples = (natural_batches * size if loader_drops else per_rank) * world
     # With a global batch: its last full one ends the epoch (the same positions at any world size).
-    epoch_batches = natural_batches if global_batch is None else (length // global_batch) * accumulation
+    if global_batch is None:
+        epoch_batches, epoch_samples = natural_batches, (natural_batches * size if loader_drops else per_rank) * world
+    else:
+        epoch_batches, epoch_samples = (length // global_batch) * accumulation, (length // global_batch) * global_batch
     return Layout(
         DISTRIBUTED,
         None,
@@ -166,7 +157,7 @@ def layout_of(loader: Any, rank: int, world: int, accumulation: int, global_batc
         epoch_batches,
         global_batch,
         accumulation,
-        natural_samples,
+        epoch_samples,
     )
 
 
@@ -174,8 +165,7 @@ def layout_from(saved: dict[str, Any] | None) -> Layout | None:
     """A layout a checkpoint saved (``Layout.as_event``), or None."""
     if not saved:
         return None
-    fields = {key: saved[key] for key in Layout.__dataclass_fields__ if key in saved and key != "_natural_samples"}
-    return Layout(**fields, _natural_samples=saved.get("epoch_samples"))
+    return Layout(**{key: saved[key] for key in Layout.__dataclass_fields__ if key in saved})
 
 
 def accumulation_for(global_batch: int, batch_size: int | None, world: int) -> int:
