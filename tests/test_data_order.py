@@ -98,11 +98,18 @@ def test_another_seed_or_dataset_is_not_exact() -> None:
 
 
 def test_ranks_the_saving_run_lacked_get_seeds_of_their_own_that_repeat() -> None:
-    ranks = [{"rng": {"torch": torch.get_rng_state()}, "data": None} for _ in range(2)]
+    ranks = [{"rng": {"torch": torch.get_rng_state()}, "data": {"epoch": 0, "batches": 0}} for _ in range(2)]
     third, again, fourth = (data_order.other_size(ranks, r) for r in (2, 2, 3))
-    assert third["rng_how"] == again["rng_how"] != fourth["rng_how"]
+    assert third["data"]["rng_how"] == again["data"]["rng_how"] != fourth["data"]["rng_how"]
     assert torch.equal(third["rng"]["torch"], again["rng"]["torch"])
-    assert data_order.other_size(ranks, 1)["rng_how"] == "old rank 1's"
+    assert data_order.other_size(ranks, 1)["data"]["rng_how"] == "old rank 1's"
+
+
+def test_another_size_carries_every_old_position_and_what_to_do_when_it_cannot_be_exact() -> None:
+    ranks = [{"rng": STATE, "data": {"epoch": 0, "batches": b}} for b in (3, 4)]
+    found = data_order.other_size(ranks, 0, "approximate")
+    assert found["data"] == {"resize": [r["data"] for r in ranks], "reshard": "approximate", "rng_how": "old rank 0's"}
+    assert data_order.other_size([{**ranks[0], "data": None}, ranks[1]], 0)["data"] is None  # nothing to continue
 
 
 def simulate(
@@ -189,8 +196,7 @@ class Log:
 def cursor(loader: Any, at: data_order.Layout, old: list[dict[str, Any]], reshard: str = "exact") -> DataCursor:
     found = DataCursor()
     found.attach(loader, None, Log(), at)
-    found.reshard = reshard
-    found.resume_later("auto", {"resize": old}, rng.seeded(1), "seeded 1")
+    found.resume_later("auto", {"resize": old, "reshard": reshard, "rng_how": "seeded 1"}, rng.seeded(1))
     return found
 
 

@@ -51,7 +51,7 @@ def run_ranks(
         cursor = DataCursor()
         cursor.attach(loader, 1, Log(), layout)
         if old is not None:
-            cursor.resume_later("auto", {"resize": old}, rng.seeded(1), "seeded 1")
+            cursor.resume_later("auto", {"resize": old, "reshard": "exact", "rng_how": "seeded 1"}, rng.seeded(1))
         resumed = cursor.start()
         if resumed is not None:
             resumes.append({**resumed.as_event(), "layout": layout.order})

@@ -8,6 +8,7 @@ after each resume and of each epoch's first). How a position is found again is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import threading
 import warnings
@@ -101,10 +102,7 @@ class DataCursor:
         self.batches = 0  # drawn in this epoch
         self.epoch_rng: dict[str, Any] | None = None
         self.iterator: Iterator[Any] | None = None
-        self._resume: tuple[str, dict[str, Any], dict[str, Any] | None, str] | None = None
-        #: On another world size, when the position cannot be continued exactly: "exact" (an
-        #: error) or "approximate" (``CheckpointingHook(data_reshard=...)``).
-        self.reshard = "exact"
+        self._resume: tuple[str, dict[str, Any], dict[str, Any] | None] | None = None
         self.saved = False  # state() was taken since the last fingerprint (``fingerprint_after_save``)
         self._pending: list[tuple[str, int | None]] = []  # fingerprints the next draw records
         self._drawing: threading.Thread | None = None  # ``fingerprint_at_exit``'s draw
@@ -124,17 +122,11 @@ class DataCursor:
         self.saved = True  # a checkpoint takes it: the batch after it gets a fingerprint
         return capture(self.loader, self.epoch, self.batches, self.epoch_rng, self.layout, self._layout_event)
 
-    def resume_later(
-        self,
-        mode: str,
-        saved: dict[str, Any],
-        rng_state: dict[str, Any] | None,
-        rng_how: str = "this rank's own",
-    ) -> None:
+    def resume_later(self, mode: str, saved: dict[str, Any], rng_state: dict[str, Any] | None) -> None:
         """Have ``start`` position the iterator as ``saved`` says, then restore ``rng_state``.
-        ``saved`` may be ``{"resize": [every old rank's position]}`` (another world size):
-        ``reshard`` says whether a position that cannot be continued exactly is an error."""
-        self._resume = (mode, saved, rng_state, rng_how)
+        ``saved`` may be another world size's (``data_order.other_size``): every old rank's
+        position, ``reshard`` and whose random streams ``rng_state`` are."""
+        self._resume = (mode, saved, rng_state)
 
     def start(self) -> Resumed | None:
         """RESTORE's last work: the iterator, positioned when a checkpoint said where (returned,
@@ -144,11 +136,13 @@ class DataCursor:
             self.iterator = self._new_iterator()
             self.fingerprint_next("epoch", None)  # the data ledger names where a resumed loader really began
             return None
-        mode, saved, rng_state, rng_how = self._resume
+        mode, saved, rng_state = self._resume
         sizes: dict[str, Any] = {"from_world_size": None, "global": saved.get("global"), "exact": True}
+        sizes.update(approximate=None, rng="this rank's own")
         why = None
         if "resize" in saved:
-            mode, why, saved, sizes = self._continuation(mode, saved["resize"], rng_state, self.reshard)
+            sizes.update(rng=saved["rng_how"])
+            mode, why, saved = self._continuation(mode, saved["resize"], rng_state, saved["reshard"], sizes)
         elif self.layout is not None:
             sizes["from_world_size"] = self.layout.world_size
         resumed = resume(self.loader, mode, saved)  # type: ignore[arg-type]
@@ -156,20 +150,26 @@ class DataCursor:
         if rng_state is not None:
             rng.restore(rng_state)
         if resumed.mode == "none":  # a fresh pass: the position was not continued (asked for, or not saved)
-            sizes = {**sizes, "exact": False, "approximate": sizes.get("approximate") or resumed.why}
-        why = why if why is not None and resumed.mode != "none" else resumed.why
-        return Resumed(**{**resumed.__dict__, "why": why, "sizes": {"approximate": None, **sizes, "rng": rng_how}})
+            sizes.update(exact=False, approximate=sizes["approximate"] or resumed.why)
+            why = None
+        return dataclasses.replace(resumed, why=why or resumed.why, sizes=sizes)
 
     def _continuation(
-        self, mode: str, old: list[dict[str, Any]], rng_state: dict[str, Any] | None, reshard: str
-    ) -> tuple[str, str | None, dict[str, Any], dict[str, Any]]:
-        """The mode (and why, when this chose it), the per-rank position that continue ``old``
-        (every old rank's position) at this world size (``trainfsm.data_order``), and the trail's
-        fields; a DataReshardError when that is not exact and ``reshard`` is "exact"."""
+        self,
+        mode: str,
+        old: list[dict[str, Any]],
+        rng_state: dict[str, Any] | None,
+        reshard: str,
+        sizes: dict[str, Any],
+    ) -> tuple[str, str | None, dict[str, Any]]:
+        """The mode (and why, when this chose it) and the per-rank position that continue ``old``
+        (every old rank's position) at this world size (``trainfsm.data_order``); the trail's
+        fields go into ``sizes``. A DataReshardError when that is not exact and ``reshard`` is
+        "exact"."""
         layout = self.layout
         assert layout is not None
         continuation = data_order.continue_at(old, layout)
-        sizes = {"from_world_size": len(old), **continuation.as_event(), "approximate": None}
+        sizes.update(from_world_size=len(old), **continuation.as_event())
         if not continuation.exact:
             if reshard != "approximate":
                 raise DataReshardError(
@@ -195,7 +195,7 @@ class DataCursor:
                 )
             else:
                 why = f"another world size ({len(old)} -> {layout.world_size}): {why}"
-        return mode, why, saved, sizes
+        return mode, why, saved
 
     def next(self) -> Any:
         """The next batch, into the next epoch when one ends; ``EXHAUSTED`` after ``max_epochs``."""

@@ -262,11 +262,12 @@ def continue_at(old: list[dict[str, Any]], new: Layout) -> Continuation:
     return Continuation(rounded, at, True, None)
 
 
-def other_size(ranks: list[dict[str, Any]], rank: int) -> dict[str, Any]:
+def other_size(ranks: list[dict[str, Any]], rank: int, reshard: str = "exact") -> dict[str, Any]:
     """The ``rank_state`` of ``rank`` resuming a checkpoint of ``len(ranks)`` ranks on another
     number: the old rank's random streams where it existed, else streams seeded from the old rank
     0's state and the rank (``derived_seed``); the data position is decided in RESTORE, from
-    every old rank's (``DataCursor.start``), once the loader's layout is known."""
+    every old rank's (``DataCursor.start``), once the loader's layout is known, and ``reshard``
+    (``RESHARD_MODES``) says whether one it cannot continue exactly is an error."""
     from trainfsm import rng
 
     if rank < len(ranks):
@@ -275,12 +276,8 @@ def other_size(ranks: list[dict[str, Any]], rank: int) -> dict[str, Any]:
         seed = derived_seed(ranks[0]["rng"], rank)
         state, how = rng.seeded(seed), f"seeded {seed} (from old rank 0's state and rank {rank})"
     positions = [entry.get("data") for entry in ranks]
-    return {
-        "rng": state,
-        "rng_how": how,
-        "data": {"resize": positions} if all(p is not None for p in positions) else None,
-        "loss_none_skips": 0,
-    }
+    resize = {"resize": positions, "reshard": reshard, "rng_how": how}
+    return {"rng": state, "data": resize if all(p is not None for p in positions) else None, "loss_none_skips": 0}
 
 
 def derived_seed(rank0_rng: dict[str, Any], rank: int) -> int:

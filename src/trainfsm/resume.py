@@ -81,7 +81,7 @@ def restore(
     if mine is not None and data_resume == "none":
         rng.restore(mine["rng"])
     elif mine is not None and mine.get("data") is not None:
-        data.resume_later(data_resume, mine["data"], mine["rng"], mine.get("rng_how", "this rank's own"))
+        data.resume_later(data_resume, mine["data"], mine["rng"])
     elif mine is not None:  # another world size, and an old rank saved no position: a fresh pass
         rng.restore(mine["rng"])
     run = trainer._run

@@ -288,11 +288,10 @@ def _apply(
     if ranks and len(ranks) == trainer.world_size:  # each rank resumes its own random streams and data
         state["rank_state"] = ranks[trainer.rank]
     elif ranks:  # another world size: the data position is continued from every old rank's
-        state["rank_state"] = data_order.other_size(ranks, trainer.rank)
-        trainer._data.reshard = data_reshard  # what RESTORE does if it cannot continue it exactly
+        state["rank_state"] = data_order.other_size(ranks, trainer.rank, data_reshard)
     sharded = bool(manifest.get("sharded"))
     if sharded:
-        _load_sharded(trainer, path, state, current, data_resume, data_reshard)
+        _load_sharded(trainer, path, state, current, data_resume)
     else:
         check_fits(path, current, state["model"])
         trainer.load_state_dict(state, data_resume=data_resume)
@@ -326,12 +325,7 @@ def manifest_checksum(path: Path, manifest: dict[str, Any]) -> str | None:
 
 
 def _load_sharded(
-    trainer: BaseTrainer,
-    path: Path,
-    state: dict[str, Any],
-    current: dict[str, Any],
-    data_resume: str,
-    data_reshard: str = "exact",
+    trainer: BaseTrainer, path: Path, state: dict[str, Any], current: dict[str, Any], data_resume: str
 ) -> None:
     """Model and optimizer in place with DCP (each rank reads what its shards need, whatever the
     world size that saved them), then the rest through ``trainer.load_state_dict``."""
