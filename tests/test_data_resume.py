@@ -501,3 +501,26 @@ def test_global_batch_size_sets_the_accumulation_and_ends_each_epoch_at_its_last
 def test_a_global_batch_size_the_loader_cannot_make_is_an_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"global_batch_size=5 is not a multiple of world_size 1 x .*batch_size 2"):
         train(tmp_path, lambda: DataLoader(Samples(10), batch_size=2), 2, global_batch_size=5)
+
+
+def test_global_batch_size_and_a_gradient_accumulation_steps_that_disagree_are_an_error_naming_both(
+    tmp_path: Path,
+) -> None:
+    def loader() -> DataLoader[Any]:
+        return DataLoader(Samples(10), batch_size=2)
+
+    def run(accumulation: int) -> Trainer:
+        trainer = Trainer(
+            loader,
+            CheckpointingHook(interval=10**9),
+            max_steps=1,
+            global_batch_size=4,
+            gradient_accumulation_steps=accumulation,
+            workspace=tmp_path / str(accumulation),
+        )
+        trainer.train()
+        return trainer
+
+    assert run(2).gradient_accumulation_steps == 2  # the same: accepted
+    with pytest.raises(ValueError, match=r"means gradient_accumulation_steps=2, but gradient_accumulation_steps=3 was"):
+        run(3)

@@ -536,11 +536,12 @@ class BaseTrainer(fsm.Triggers):
         the accumulation that keeps it at this world size (BUILD, before the stepper exists)."""
         loader, world, given = self.data_loader, self.world_size, self.gradient_accumulation_steps
         if self.global_batch_size is not None:
-            derived = data_order.accumulation_for(self.global_batch_size, data_order.batch_size(loader), world)
+            size = data_order.batch_size(loader)
+            derived = data_order.accumulation_for(self.global_batch_size, size, world)
             if self._accumulation_given and derived != given:
                 raise ValueError(
                     f"global_batch_size={self.global_batch_size} on {world} rank(s) of batch_size "
-                    f"{data_order.batch_size(loader)} means gradient_accumulation_steps={derived}, but "
+                    f"{size} means gradient_accumulation_steps={derived}, but "
                     f"gradient_accumulation_steps={given} was given: pass one of the two."
                 )
             self.gradient_accumulation_steps = derived
