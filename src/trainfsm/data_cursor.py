@@ -266,19 +266,15 @@ class DataCursor:
         self._drawing.start()
         self._drawing.join(budget)
         if self._drawing.is_alive():  # abandoned: EXIT goes on; the ledger says this save is unchecked
-            self.log.info(
-                "batch_fingerprint", after="save", from_step=step, epoch=self.epoch, batches=None, fingerprint=None
-            )
+            epoch, batches, digest = self.epoch, None, None
         elif found:
-            batch, epoch, batches = found[0]
-            self.log.info(
-                "batch_fingerprint",
-                after="save",
-                from_step=step,
-                epoch=epoch,
-                batches=batches,
-                fingerprint=fingerprint(batch),
-            )
+            epoch, batches, digest = found[0][1], found[0][2], fingerprint(found[0][0])
+        else:
+            return
+        # DEBUG: the trail's, not the console's; EXIT's ``exit`` event writes it at once.
+        self.log.debug(
+            "batch_fingerprint", after="save", from_step=step, epoch=epoch, batches=batches, fingerprint=digest
+        )
 
     def fingerprint_next(self, after: str, step: int | None) -> None:
         """Have the next draw record a ``batch_fingerprint`` (``after``: ``"save"``, ``"resume"``
