@@ -116,10 +116,16 @@ def test_without_the_global_position_the_planted_resume_trains_samples_twice(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loader", ["dataloader", "stateful"])
+@pytest.mark.parametrize("loader", ["dataloader", "stateful", "async saves"])
 def test_under_torchrun_4_then_2_then_3_ranks_train_each_sample_once(loader: str, tmp_path: Path) -> None:
+    """``async saves``: the DataLoader, its checkpoints written on the background thread (interval 1)."""
     workspace = tmp_path / "ws"
-    options = ["--loader", loader, "--micro-seconds", "0.05"] + (["--workers", "2"] if loader == "stateful" else [])
+    options = ["--micro-seconds", "0.05"]
+    options += {
+        "dataloader": ["--loader", "dataloader"],
+        "stateful": ["--loader", "stateful", "--workers", "2"],
+        "async saves": ["--async-save", "--interval", "1"],
+    }[loader]
     assert torchrun(workspace, 4, "--preempt-at", "2", *options) != 0
     assert torchrun(workspace, 2, "--preempt-at", "6", *options) != 0
     assert torchrun(workspace, 3, *options) == 0

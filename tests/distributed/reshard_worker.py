@@ -80,7 +80,9 @@ class Trainer(BaseTrainer):
 
     def build_hooks(self) -> list[Any]:
         return [
-            CheckpointingHook(interval=self.args.interval, data_reshard=self.args.reshard),
+            CheckpointingHook(
+                interval=self.args.interval, data_reshard=self.args.reshard, async_save=self.args.async_save
+            ),
             Preempt(self.args.preempt_at, self.args.self_signal),
         ]
 
@@ -116,6 +118,7 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=100)
     parser.add_argument("--preempt-at", type=int, default=None)
     parser.add_argument("--self-signal", action="store_true")
+    parser.add_argument("--async-save", action="store_true", help="CheckpointingHook(async_save=True)")
     parser.add_argument("--micro-seconds", type=float, default=0.0, help="sleep in each forward (room for a signal)")
     parser.add_argument("--loader", choices=("dataloader", "stateful"), default="dataloader")
     parser.add_argument("--workers", type=int, default=0)
