@@ -271,6 +271,55 @@ def test_a_loader_that_skips_a_micro_batch_after_a_kill_is_caught_by_the_micro_b
     assert run_cli_audit(tmp_path).returncode == 1
 
 
+def test_a_loader_that_skips_the_last_micro_batch_of_an_epoch_is_named_though_its_count_moved_on(
+    tmp_path: Path,
+) -> None:
+    """Saved before epoch 0's last micro-batch (9 of 10): the loader lands past it and ends the epoch
+    at once, so the trainer counts the first draw as epoch 1's. It is compared with the micro-batch
+    the saving run drew after that save all the same (CI once met this at a deadline's save)."""
+    preempted_then_resumed(tmp_path, "--signal-at", "9", "--loader", "skipping")
+    (problem,) = ledger_breaks_of(tmp_path)
+    assert problem.message.startswith(
+        "rank 0, attempt 1: after resuming from checkpoint 9 the data loader ended epoch 0 at once, without drawing "
+        "micro-batch 9, which attempt 0 drew after saving it (fingerprint "
+    )
+    assert problem.message.endswith(
+        "epoch 0 from micro-batch 9 on skipped; the loader did not resume where it said it did"
+    )
+
+
+def test_the_same_save_before_an_epochs_last_micro_batch_with_a_loader_that_resumes_is_kept_once(
+    tmp_path: Path,
+) -> None:
+    preempted_then_resumed(tmp_path, "--signal-at", "9", "--loader", "stateful")
+    report = audit.audit([tmp_path])
+    assert report.run_problems == [] and report.ledger[0].endswith(ONCE)
+    assert "; 1 fingerprint pair compared, all equal; " in report.ledger_checked
+
+
+def test_an_exit_whose_draw_outlasts_its_second_leaves_on_time_and_the_ledger_says_that_resume_is_unchecked(
+    tmp_path: Path,
+) -> None:
+    """The loader takes 3 s to give the micro-batch after the exiting save: EXIT waits
+    ``EXIT_DRAW_SECONDS`` (1 s) for it, records that it has none, and goes on; the audit cannot
+    compare that resume, says so, and finds nothing wrong."""
+    preempted_then_resumed(tmp_path, "--loader", "stalling")
+    events = read_events(tmp_path)
+    starts = [i for i, e in enumerate(events) if e["event"] == "run_start"]
+    first = events[: starts[1]]  # attempt 0's
+    saved = next(e for e in first if e["event"] == "checkpoint_saved" and e["saved_step"] == 3)
+    [drawn] = [e for e in first if e["event"] == "batch_fingerprint" and e["after"] == "save" and e["from_step"] == 3]
+    left = next(e for e in first if e["event"] == "exit")
+    assert drawn["fingerprint"] is None and drawn["batches"] is None
+    assert 1.0 <= drawn["ts"] - saved["ts"] < 2.5 and left["ts"] - saved["ts"] < 2.5
+    report = audit.audit([tmp_path])
+    assert report.run_problems == [] and report.ledger[0].endswith(ONCE)
+    assert (
+        "1 resume not compared: no fingerprint of the micro-batch the saving run drew next (rank 0, attempt 1, "
+        "checkpoint 3)" in report.ledger_checked
+    )
+
+
 def test_a_loader_whose_later_epochs_differ_after_a_resume_is_caught_by_that_epochs_first_micro_batch(
     tmp_path: Path,
 ) -> None:

@@ -3,7 +3,7 @@ attempt (a launch that kills itself runs in its own process, the others may run 
 breaks of exactly-once data are planted on purpose.
 
     python tests/faults/ledger_breaks.py WORKSPACE --steps 12 --interval 4 [--kill-at 10 | --signal-at 3]
-        [--plant other-position:4] [--loader stateful|skipping|forgetful|drifting] [--load none]
+        [--plant other-position:4] [--loader stateful|skipping|forgetful|stalling|drifting] [--load none]
         [--loss-none-at 6] [--non-finite-at 7] [--fp16] [--accumulation 3 --max-epochs 2] [--fail-in-restore]
 
 ``--kill-at S``: the first launch SIGKILLs itself in step S's forward (a node lost).
@@ -14,7 +14,8 @@ step S and exits 138 (preempted: the normal requeue path, no kill).
 the one it loads (a user's ``load_state_dict`` that mixes up two checkpoints).
 ``--loader skipping``: a loader with its own ``state_dict`` whose ``load_state_dict`` lands one
 batch past the saved position, while saying it resumed there (``stateful``: the same, correct;
-``forgetful``: its ``load_state_dict`` does nothing, so it starts the epoch again).
+``forgetful``: its ``load_state_dict`` does nothing, so it starts the epoch again; ``stalling``: correct,
+but the first launch's draw after ``--signal-at``'s save takes 3 s, longer than the exit waits for it).
 ``--loader drifting``: a list's batches in order in the first epoch a launch draws, rotated by the
 launch's attempt + 1 in later ones: an order that depends on something a resume does not restore.
 ``--loss-none-at S``: step S's first forward returns ``loss=None`` (that micro-batch is drawn, not
@@ -34,6 +35,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,13 +62,16 @@ class StatefulLoader:
     """Batches 0..BATCHES-1 per epoch, with its own position (``state_dict``): trainfsm resumes
     it by ``load_state_dict`` (``data_resume="state"``). ``skip``: one batch too far on load."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self, kind: str, stall_at: int = -1) -> None:
+        self.kind, self.stall_at = kind, stall_at
         self.position = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while self.position < BATCHES:
             self.position += 1
+            if self.position - 1 == self.stall_at:  # the draw after the signalled step's save
+                self.stall_at = -1
+                time.sleep(3.0)
             yield batch(self.position - 1)
         self.position = 0
 
@@ -116,7 +121,8 @@ class Trainer(BaseTrainer):
             return [batch(i) for i in range(BATCHES)]
         if self.args.loader == "drifting":
             return DriftingLoader(self.attempt)
-        return StatefulLoader(self.args.loader)
+        stall_at = self.args.signal_at if self.args.loader == "stalling" else -1
+        return StatefulLoader(self.args.loader, stall_at)
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(0)
@@ -176,7 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--plant", default="")
-    parser.add_argument("--loader", choices=("list", "stateful", "skipping", "forgetful", "drifting"), default="list")
+    parser.add_argument(
+        "--loader", choices=("list", "stateful", "skipping", "forgetful", "stalling", "drifting"), default="list"
+    )
     parser.add_argument("--load", choices=("latest", "none"), default="latest")
     args = parser.parse_args(argv)
     Trainer(

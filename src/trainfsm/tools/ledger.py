@@ -18,7 +18,8 @@ come from: the last attempt, the one that saved the checkpoint it resumed from, 
   the checkpoint it loaded (the same checksum: the same save);
 - **the same micro-batches**: two fingerprints of one rank at one (world size, epoch, micro-batch),
   one drawn by an attempt and one by an attempt resumed from it (directly or not), are equal: the
-  micro-batch after a save and the first after its resume, each epoch's first. These are the only
+  micro-batch after a save and the first after its resume (compared with each other by the
+  checkpoint, wherever the resumed count stands), each epoch's first. These are the only
   reading of the loader (the counts are the trainer's own); a resumed loader that drew another
   micro-batch first is named by the fingerprint it matches (the epoch's first, say);
 - **no silent restart**: a fresh start after an earlier attempt saved a complete checkpoint, without
@@ -77,6 +78,7 @@ class Segment:
     save: dict[str, Any] | None = None  # that save (``checkpoint_saved``'s entry)
     handed: dict[str, Any] | None = None  # its attempt's save that the next attempt resumed from
     kept_to: Position | None = None  # what it kept ends here
+    misplaced: bool = False  # resumed at another position than its checkpoint saved: said once, there
 
     @property
     def checked(self) -> bool:
@@ -265,6 +267,7 @@ class Check:
         saved = saved_position(seg.save["data"], r.rank)
         if saved is None or saved == seg.begin:
             return
+        seg.misplaced = True
         if seg.begin < saved:
             what = f"{ledger_words.between(seg.begin, saved)} trained twice"
         else:
@@ -340,20 +343,37 @@ class Check:
         """Two fingerprints of one rank at one (world size, epoch, micro-batch), drawn by an attempt
         and by one resumed (directly or not) from it, must be equal: both drew that micro-batch."""
         seen: dict[int, dict[Key, dict[str, Any]]] = {}
+        # The micro-batch drawn after each save, by (rank, world size, checkpoint step): a resume's
+        # first draw is compared with it even where the resumed loader's count moved elsewhere
+        # (an epoch that ended early because the loader skipped its last micro-batch).
+        after_save: dict[int, dict[tuple[int, int | None, int], dict[str, Any]]] = {}
         for attempt in self.attempts:
             a = attempt.attempt
-            mine = seen.setdefault(a, {})
-            history = [seen[x] for x in self._ancestors(a) if x in seen]
+            mine, saves = seen.setdefault(a, {}), after_save.setdefault(a, {})
+            ancestors = self._ancestors(a)
+            history = [seen[x] for x in ancestors if x in seen]
+            saved_before = [after_save[x] for x in ancestors if x in after_save]
             for seg in self.segments[a].values():
                 if not seg.checked:
                     continue
                 reported = False
-                for f in seg.r.data.fingerprints:
-                    key = (seg.r.rank, seg.world, int(f["epoch"]), int(f["batches"]) - 1)
+                # A resume's first draw first: at an epoch's start it is also the epoch's fingerprint,
+                # and the resume's says more (where the loader really resumed).
+                for f in sorted(seg.r.data.fingerprints, key=lambda f: f["after"] != "resume"):
                     entry = {**f, "attempt": a}
+                    step_key = (seg.r.rank, seg.world, int(f["from_step"] or 0))
+                    if f["fingerprint"] is None:  # an exit's draw abandoned after EXIT_DRAW_SECONDS
+                        if f["after"] == "save":
+                            saves.setdefault(step_key, entry)  # its resume: not compared, and said so
+                        continue
+                    key = (seg.r.rank, seg.world, int(f["epoch"]), int(f["batches"]) - 1)
                     mine.setdefault(key, entry)
                     before = next((entries[key] for entries in history if key in entries), None)
-                    if before is None:
+                    if f["after"] == "save":
+                        saves.setdefault(step_key, entry)
+                    elif f["after"] == "resume" and not seg.misplaced:
+                        before = next((s[step_key] for s in saved_before if step_key in s), before)
+                    if before is None or before["fingerprint"] is None:
                         same_size = seg.parent is not None and self.world_of(seg.parent, seg.r.rank) == seg.world
                         if f["after"] == "resume" and same_size:
                             self.unpaired.append(f"rank {seg.r.rank}, attempt {a}, checkpoint {f['from_step']}")
@@ -369,7 +389,10 @@ class Check:
         self, seg: Segment, now: dict[str, Any], before: dict[str, Any], history: list[dict[Key, dict[str, Any]]]
     ) -> None:
         r = seg.r
-        epoch, index = int(now["epoch"]), int(now["batches"]) - 1
+        # A resume is judged at the position its checkpoint saved (where the saving run drew next):
+        # the resumed loader's own count may have moved on (an epoch it ended early).
+        where = before if now["after"] == "resume" else now
+        epoch, index = int(where["epoch"]), int(where["batches"]) - 1
         digests = f"fingerprint {now['fingerprint']} != {before['fingerprint']}"
         if now["after"] != "resume":
             self.problem(
@@ -377,6 +400,16 @@ class Check:
                 f"rank {r.rank}, attempt {r.attempt}: epoch {epoch} micro-batch {index} is not the one attempt "
                 f"{before['attempt']} drew there ({ledger_words.source(before)}; {digests}): the data loader's order "
                 f"differs from the run it resumed",
+                now["line"],
+            )
+            return
+        if int(now["epoch"]) > epoch:  # the resumed loader had nothing left of the saved epoch
+            self.problem(
+                r,
+                f"rank {r.rank}, attempt {r.attempt}: after resuming from checkpoint {now['from_step']} the data "
+                f"loader ended epoch {epoch} at once, without drawing micro-batch {index}, which attempt "
+                f"{before['attempt']} drew after saving it ({digests}): epoch {epoch} from micro-batch {index} on "
+                f"skipped; the loader did not resume where it said it did",
                 now["line"],
             )
             return
