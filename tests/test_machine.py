@@ -88,6 +88,7 @@ def test_triggers_are_the_designed_ones():
         "restored",
         "micro",
         "non_finite",
+        "oom",
         "retry",
         "stepped",
         "save",

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
     from trainfsm.collectives import LossNoneAgreement
     from trainfsm.ddp_buckets import BucketOrder
+    from trainfsm.oom import MemoryFit
     from trainfsm.step import Stepper
     from trainfsm.step_info import StepInfo
     from trainfsm.trainer import BaseTrainer
@@ -213,6 +214,7 @@ class Run:
     triggers: dict[str, Callable[[], bool]] = field(default_factory=dict)  # name -> the compiled trigger
     watchdog: Watchdog | None = None  # the stall watchdog (stall_timeout), stopped just before the exit event
     buckets: dict[str, BucketOrder] = field(default_factory=dict)  # each DDP's gradient order (trainfsm.ddp_buckets)
+    fit: MemoryFit | None = None  # max_oom_retries > 0: the split in force, the step's kept micro-batches
     # The step in flight (reset as it begins; a retry resets micro, losses and records).
     micro: int = 0
     retries: int = 0
@@ -228,6 +230,8 @@ class Run:
         """A step begins: fresh lists (a hook may keep the previous step's until its interval ends)."""
         self.micro = self.retries = 0
         self.losses, self.records, self.data_times = [], [], []
+        if self.fit is not None:
+            self.fit.new_step()
         self.step_start = time.perf_counter()
 
     def bind_hooks(self, trainer: BaseTrainer, hooks: list[BaseHook], finish_exit: Callable[[], None]) -> None:
@@ -310,6 +314,7 @@ def open_trail(trainer: BaseTrainer, preemption: Preemption) -> tuple[EventLog, 
         config={
             "grad_clip": trainer.grad_clip,
             "max_non_finite_grad_retries": trainer.max_non_finite_grad_retries,
+            "max_oom_retries": trainer.max_oom_retries,
             "mixed_precision": trainer.mixed_precision,
             "device": str(trainer.device),
             "gradient_accumulation_steps": trainer.gradient_accumulation_steps,

@@ -95,11 +95,14 @@ class Stepper:
         self.finite = FiniteCheck(self.params)
         del model  # the step only needs the optimizer's parameters; forward is the trainer's
 
-    def micro(self, forward: Callable[[Any], Any], batch: Any, last: bool) -> tuple[torch.Tensor | None, Any]:
+    def micro(
+        self, forward: Callable[[Any], Any], batch: Any, last: bool, weight: float | None = None
+    ) -> tuple[torch.Tensor | None, Any]:
         """Forward and backward of one micro-batch; returns (unscaled loss, records) detached.
 
         The loss is divided by the accumulation count so the accumulated gradient is the mean
-        over the step's micro-batches. ``no_sync`` wraps forward and backward of every micro-batch
+        over the step's micro-batches (``weight``: its factor instead, for a piece of a split
+        micro-batch, ``trainfsm.oom``). ``no_sync`` wraps forward and backward of every micro-batch
         but the last, so DDP all-reduces once per step.
 
         With ``loss_none_agreement`` (an ``agreement``), the ranks agree between forward and backward: the
@@ -108,10 +111,12 @@ class Stepper:
         """
         if self.no_sync is not None and not last:
             with self.no_sync():
-                return self._forward_backward(forward, batch)
-        return self._forward_backward(forward, batch)
+                return self._forward_backward(forward, batch, weight)
+        return self._forward_backward(forward, batch, weight)
 
-    def _forward_backward(self, forward: Callable[[Any], Any], batch: Any) -> tuple[torch.Tensor | None, Any]:
+    def _forward_backward(
+        self, forward: Callable[[Any], Any], batch: Any, weight: float | None = None
+    ) -> tuple[torch.Tensor | None, Any]:
         if self.autocast is not None:
             with self.autocast:  # backward runs outside autocast, as PyTorch recommends
                 out = forward(batch)
@@ -126,7 +131,10 @@ class Stepper:
             skip = self.agreement.skip(skip)  # a host collective: every rank waits here
         if skip or loss is None:
             return None, records
-        scaled = loss * self.inv_accumulation if self.accumulation != 1 else loss
+        if weight is not None:
+            scaled = loss * weight
+        else:
+            scaled = loss * self.inv_accumulation if self.accumulation != 1 else loss
         if self.scaler_enabled:
             scaled = self.scaler.scale(scaled)
         scaled.backward()  # type: ignore[no-untyped-call]

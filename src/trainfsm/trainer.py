@@ -28,6 +28,7 @@ from trainfsm.collectives import LossNoneAgreement, LossNoneWarning, loss_none_r
 from trainfsm.data_cursor import EXHAUSTED, DataCursor
 from trainfsm.hooks.base import BaseHook
 from trainfsm.machine import ExitReason
+from trainfsm.oom import MemoryFit, oom_shared
 from trainfsm.preemption.deadline import Deadline
 from trainfsm.preemption.policy import ExitPolicy, Preemption, exit_policy
 from trainfsm.preemption.signals import hold_interrupt, release_interrupt
@@ -103,6 +104,11 @@ class BaseTrainer(fsm.Triggers):
     - ``max_non_finite_grad_retries``: a step whose gradients are not finite is retried on fresh
       batches up to this many times (RETRY), then the run fails; None or 0: fail at once (with the
       fp16 grad scaler, its skip-and-rescale applies instead).
+    - ``max_oom_retries``: how many times over the run a ``torch.OutOfMemoryError`` in a micro-batch's
+      forward or backward may halve the micro-batches (RETRY by ``oom``: the step again from its first
+      micro-batch, each split in two along dimension 0, losses weighted so the step averages the same
+      samples; the split stays for the rest of the run, ``trainfsm.oom``). 0 (default): an out-of-memory
+      error ends the run, as splitting changes losses whose samples meet (BatchNorm, in-batch negatives).
     - ``mixed_precision``: None, ``"bf16"`` or ``"fp16"`` (autocast; fp16 with a grad scaler).
     - ``gradient_accumulation_steps``: micro-batches per optimizer step (default 1).
     - ``global_batch_size``: samples per optimizer step over all ranks, kept at any world size:
@@ -160,6 +166,7 @@ class BaseTrainer(fsm.Triggers):
         stall_timeout: float | str | None = "auto",
         stall_action: str = "record",
         job_end_margin: float | str | None = "auto",
+        max_oom_retries: int = 0,
     ) -> None:
         self.max_steps: int = check.positive_int("max_steps", max_steps)  # type: ignore[assignment]
         self.grad_clip = check.grad_clip(grad_clip)
@@ -184,6 +191,7 @@ class BaseTrainer(fsm.Triggers):
         self.stall_timeout = check.stall_timeout(stall_timeout)
         self.stall_action = check.stall_action(stall_action)
         self.job_end_margin = check.job_end_margin(job_end_margin)
+        self.max_oom_retries: int = check.positive_int("max_oom_retries", max_oom_retries, minimum=0)  # type: ignore[assignment]
         #: Micro-batches this rank skipped for loss=None in this launch (with loss_none_agreement,
         #: also those another rank returned None for): checkpoints compare the ranks' counts.
         self.loss_none_skips = 0
@@ -302,7 +310,7 @@ class BaseTrainer(fsm.Triggers):
             fsm.BUILD: self._build,
             fsm.RESTORE: self._restore,
             fsm.STEP: self._step,
-            fsm.ACCUMULATE: self._accumulate,
+            fsm.ACCUMULATE: self._accumulate if self.max_oom_retries == 0 else self._accumulate_fitting,
             fsm.RETRY: self._retry,
             fsm.CHECKPOINT: self._checkpoint,
             fsm.EXIT: lambda: None,
@@ -376,6 +384,8 @@ class BaseTrainer(fsm.Triggers):
         run.warn_loss_none = is_distributed_wrapper(self.model)
         run.buckets = ddp_buckets.watch(self.model, self.world_size, self.events)
         run.stepper = Stepper.for_trainer(self, run.agreement)
+        if self.max_oom_retries:
+            run.fit = MemoryFit(self.max_oom_retries, self.gradient_accumulation_steps, oom_shared(self, run.agreement))
         self.exit_policy = run.preemption.decide(self.hooks, run.agreement)
         run.bind_hooks(self, self.hooks, self._finish_exit)
         return self._preempted_before_training() or self.built
@@ -421,7 +431,42 @@ class BaseTrainer(fsm.Triggers):
             return self._data_ran_out(run)
         run.data_times.append(perf_counter() - t0)
         last = run.micro + 1 == self.gradient_accumulation_steps
-        loss, records = run.stepper.micro(self.forward, batch, last)  # type: ignore[union-attr]
+        try:
+            loss, records = run.stepper.micro(self.forward, batch, last)  # type: ignore[union-attr]
+        except torch.OutOfMemoryError as exc:
+            note = "trainfsm: BaseTrainer(max_oom_retries=N) would run the step again in smaller micro-batches"
+            exc.add_note(note)  # type: ignore[attr-defined]
+            raise
+        return self._took(run, loss, records, last)
+
+    def _accumulate_fitting(self) -> Callable[[], bool]:
+        """ACCUMULATE with ``max_oom_retries``: the step's micro-batches are kept (a retry runs them
+        again), split as the run's out-of-memory errors have made them; such an error leaves by
+        ``oom`` for RETRY once its ``except`` has dropped the failed graph."""
+        run: Run = self._run  # type: ignore[assignment]
+        fit: MemoryFit = run.fit  # type: ignore[assignment]
+        t0 = perf_counter()
+        batch = fit.next(self._data.next)
+        if batch is EXHAUSTED:
+            return self._data_ran_out(run)
+        run.data_times.append(perf_counter() - t0)
+        last = run.micro + 1 == self.gradient_accumulation_steps
+        if fit.failure is None:
+            try:
+                loss, records = fit.micro(run.stepper, self.forward, batch, last)  # type: ignore[arg-type]
+            except torch.OutOfMemoryError as exc:  # the failed graph goes with ``exc`` as this ends
+                fit.caught(exc, run.micro, batch)
+            else:  # not under the ``try``: the step's end (optimizer step) is never retried
+                return self._took(run, loss, records, last)
+            if not fit.shared:
+                return self.oom
+        # Out of memory in this step, with DDP over several ranks: on to the step's end with the others.
+        fit.shadow(run.stepper, self.forward, batch, run.micro, last)  # type: ignore[arg-type]
+        run.micro += 1
+        return self._end_step(run) if last else self.micro
+
+    def _took(self, run: Run, loss: torch.Tensor | None, records: Any, last: bool) -> Callable[[], bool]:
+        """A micro-batch ran: count it (or its loss=None skip); end the step on the last."""
         if loss is None:  # on this rank; with loss_none_agreement, on any: then every rank skips it
             self.loss_none_skips += 1  # this rank skipped it, whichever rank returned None
             ranks = loss_none_ranks(run.agreement, self.rank, run.warn_loss_none)
@@ -437,6 +482,11 @@ class BaseTrainer(fsm.Triggers):
         stepper: Stepper = run.stepper  # type: ignore[assignment]
         finite, grad_norm = stepper.check_and_clip()
         if not finite:
+            fit = run.fit
+            if fit is not None and fit.shared and fit.agree(self.rank, self.world_size):
+                if stepper.scaler_enabled:  # unscaled for nothing: back to before, scale unchanged
+                    self.grad_scaler.update(new_scale=self.grad_scaler.get_scale())  # type: ignore[union-attr]
+                return self.oom
             if not stepper.scaler_enabled:
                 return self.non_finite
             scale = self.grad_scaler.get_scale() if self.grad_scaler else None
@@ -494,6 +544,14 @@ class BaseTrainer(fsm.Triggers):
     def _retry(self) -> Callable[[], bool]:
         run: Run = self._run  # type: ignore[assignment]
         run.stepper.discard()  # type: ignore[union-attr]
+        fit = run.fit
+        if fit is not None:
+            if fit.failure is not None:  # out of memory: the same micro-batches, in smaller pieces
+                fit.retry(self.step, self.events, self.device)
+                run.micro = 0
+                run.losses, run.records = [], []
+                return self.retry
+            fit.new_step()  # non-finite: the step runs again on fresh micro-batches
         limit = self.max_non_finite_grad_retries
         if run.retries >= limit:
             raise retries_used_up(self.step, run.retries, limit)

@@ -34,6 +34,7 @@ class DataCount:
     # Micro-batches drawn and not trained: {"step", "why", "spans": [(epoch, first, end)]}, ends exclusive.
     not_trained: list[dict[str, Any]] = field(default_factory=list)
     try_start: tuple[int, int] | None = None  # where the step's micro-batches (this try) began
+    replays: int = 0  # entries into ACCUMULATE still to come that run a kept micro-batch again (``oom``)
 
     def restored(self, resumed: bool, from_step: int | None, line: int) -> None:
         if not resumed:
@@ -59,11 +60,19 @@ class DataCount:
         self.start = start
 
     def drew(self, first_of_try: bool) -> None:
-        """An entry into ACCUMULATE: its micro-batch is drawn first thing."""
+        """An entry into ACCUMULATE: its micro-batch is drawn first thing (unless an ``oom`` retry
+        runs a kept one again: then nothing is drawn, and the try began where it began)."""
+        if self.replays:
+            self.replays -= 1
+            return
         if self.position is not None:
             if first_of_try:  # a step's micro-batches (again, after a retry) from here
                 self.try_start = (self.position[0], self.position[1])
             self.position[1] += 1
+
+    def replaying(self, count: int) -> None:
+        """``oom``: the next ``count`` entries into ACCUMULATE run the step's kept micro-batches."""
+        self.replays = count
 
     def drew_steps(self, micro_batches: int) -> None:
         """Routine steps (a ``steps`` record): no epoch began in them."""

@@ -50,6 +50,7 @@ MARKERS: Final[dict[str, tuple[str, str, str, float]]] = {
     "checkpoint_loaded": ("checkpoint loaded", "^", "#006d2c", 0.05),
     "checkpoint_skipped": ("checkpoint skipped", "^", "#bdbdbd", 0.05),
     "non_finite": ("non-finite retry", "x", "#e6550d", 0.5),
+    "oom": ("out of memory: split", "v", "#756bb1", 0.5),
     "signal_received": ("signal received", "*", "#de2d26", 0.75),
     "signal_agreed": ("signal agreed", "D", "#a50f15", 0.25),
     "exception": ("exception", "X", "#000000", 0.5),

@@ -74,6 +74,7 @@ class RankAttempt:
     loss_none_at: list[str] = field(default_factory=list)  # "step S micro M" of each skipped micro-batch
     retries: list[dict[str, Any]] = field(default_factory=list)
     scaler_skips: list[int] = field(default_factory=list)
+    ooms: list[dict[str, Any]] = field(default_factory=list)  # out-of-memory retries: step, pieces, phase, micro
     checkpoint_steps: list[int] = field(default_factory=list)
     saved: list[dict[str, Any]] = field(default_factory=list)
     loaded: list[dict[str, Any]] = field(default_factory=list)
@@ -347,6 +348,11 @@ class Replay:
             why = "non-finite gradients: the step ran again on the next micro-batches"
             self.result.data.not_trained_try(record.step, why)
 
+    def _oom(self, record: Record) -> None:
+        """Out of memory: RETRY runs the step's kept micro-batches again (``replays``), not drawn."""
+        self.result.ooms.append({"step": record.step, **{k: record.data.get(k) for k in ("pieces", "phase", "micro")}})
+        self.result.data.replaying(int(record.data.get("replays") or 0))
+
     def _loss_none(self, record: Record) -> None:
         result = self.result
         result.loss_none += 1
@@ -482,6 +488,7 @@ _HANDLERS: Final = {
     "checkpoint_skipped": Replay._checkpoint_skipped,
     "checkpoint_failed": Replay._checkpoint_failed,
     "non_finite": Replay._non_finite,
+    "oom": Replay._oom,
     "loss_none": Replay._loss_none,
     "signal_received": Replay._signal_received,
     "signal_agreed": Replay._signal_agreed,

@@ -332,6 +332,11 @@ def group_restart(elastic: dict[str, Any] | None) -> int | None:
     return group - 1 if isinstance(group, int) else elastic.get("restart_count")
 
 
+def _ooms(ooms: list[dict[str, Any]]) -> str:
+    """``step 1 (forward): 2 pieces, step 1 (forward): 4 pieces``: each split, where it came from."""
+    return ", ".join(f"step {o['step']} ({o['phase']}): {o['pieces']} pieces" for o in ooms)
+
+
 def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = None) -> list[str]:
     data = attempt.as_dict()
     first = attempt.first
@@ -353,6 +358,7 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
         + (f" ({first.loss_none} with loss=None)" if first.loss_none else "")
         + f", retries: {retries}"
         + (f", fp16 skipped steps: {_steps(first.scaler_skips)}" if first.scaler_skips else "")
+        + (f", out of memory: {_ooms(first.ooms)}" if first.ooms else "")
     )
     lines.append("  checkpoints: " + _render_checkpoints(data["checkpoints"]))
     lines.append("  signals: " + _render_signals(data["signals"]))

@@ -67,6 +67,7 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "metrics": ("values",),
     "loss_none": ("micro", "ranks"),
     "non_finite": ("what", "retry", "max", "scale"),
+    "oom": ("micro", "phase", "rows", "pieces", "piece_rows", "replays", "retry", "max", "ranks", "message"),
     "checkpoint_saved": (
         "path",
         "saved_step",
@@ -227,6 +228,14 @@ EVENT_DOCS: Final[dict[str, tuple[str, str]]] = {
     "non_finite": (
         "`what`, `retry`, `max`, `scale`",
         'non-finite gradients: `what="gradients"` (a RETRY) or `"scaler_skip"` (fp16, with the scale that overflowed)',
+    ),
+    "oom": (
+        "`micro`, `phase` (`forward` or `backward`), `rows` (the failed piece's samples), `pieces` (per drawn "
+        "micro-batch from now on), `piece_rows`, `replays` (kept micro-batches the retry runs again, not drawn), "
+        "`retry`, `max` (`max_oom_retries`), `ranks` (with DDP over several ranks: those that ran out; `micro` and "
+        "`phase` are null on the others), `message`",
+        "out of device memory in a micro-batch: the step runs again from its first micro-batch, each split in two "
+        "(RETRY by `oom`); the split stays for the rest of the run",
     ),
     "checkpoint_saved": (
         "`path`, `saved_step`, `bytes`, `seconds`, `checksum` (of the manifest), `kept`, `asynchronous` "
