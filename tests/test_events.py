@@ -71,6 +71,7 @@ def test_run_start_records_the_configuration(make_trainer, events, tmp_path):
     assert start["config"] == {
         "grad_clip": 2.0,
         "max_non_finite_grad_retries": 3,
+        "max_oom_retries": 0,
         "mixed_precision": None,
         "device": "cpu",
         "gradient_accumulation_steps": 2,

@@ -38,6 +38,7 @@ ROOMS: dict[str, int] = {
     "checkpoint": 3,
     "preemption": 3,
     "step": 4,
+    "oom": 4,  # out of memory as a transition: the split, the kept micro-batches, the ranks' agreement
     "finite": 4,
     "resume": 4,
     "watchdog": 4,

@@ -204,6 +204,19 @@ class SignalAgreement:
         return int(self._flag.item())  # a CPU tensor: no device sync
 
 
+def flagged_ranks(flag: bool, rank: int, world: int, group: Any) -> list[int]:
+    """The ranks whose ``flag`` is set, the same list on every rank (one blocking all-reduce of a
+    CPU tensor on ``group``, a host group: no device sync). For decisions taken off the routine
+    path, such as an out-of-memory retry (``trainfsm.oom``)."""
+    import torch.distributed as dist
+
+    flags = torch.zeros(world, dtype=torch.int32)
+    if flag:
+        flags[rank] = 1
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [r for r, value in enumerate(flags.tolist()) if value]
+
+
 def host_group() -> Any:
     """The group for host flags: None (the default group) when it has a CPU backend, else a gloo
     group over every rank, created once per default group (collectively: every rank calls this at

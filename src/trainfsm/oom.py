@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainfsm.collectives import host_group
+from trainfsm.collectives import flagged_ranks, host_group
 from trainfsm.utils import is_distributed_wrapper, map_nested_tensor
 
 if TYPE_CHECKING:
@@ -161,13 +161,7 @@ class MemoryFit:
     def agree(self, rank: int, world: int) -> list[int]:
         """At a non-finite step's end (``shared``): the ranks that ran out of memory in it, the same
         list on every rank (one host all-reduce; a routine step never comes here)."""
-        import torch.distributed as dist
-
-        flags = torch.zeros(world, dtype=torch.int32)
-        if self.failure is not None:
-            flags[rank] = 1
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
-        ranks = [r for r, flag in enumerate(flags.tolist()) if flag]  # a CPU tensor: no device sync
+        ranks = flagged_ranks(self.failure is not None, rank, world, self._group)
         if ranks and self.failure is None:  # another rank's: this one splits with it
             self.failure = {
                 "micro": None,
