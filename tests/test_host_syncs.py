@@ -29,6 +29,7 @@ from tests.helpers import TinyTrainer, make_batches
 from tests.host_syncs import READS, HostReads, Read
 from tests.test_numerics import needs_cpu_fp16
 from trainfsm import BaseHook, BaseTrainer, CheckpointingHook
+from trainfsm.hooks.ema import EmaHook
 from trainfsm.hooks.logging_hook import LoggingHook
 from trainfsm.hooks.progress import ProgressHook
 from trainfsm.hooks.stats import StatsHook
@@ -258,6 +259,12 @@ def test_the_checkpointing_hook_reads_nothing_between_saves(tmp_path, async_save
         counted,
         expect(lambda step: [GUARD], extra=lambda step: {0: FINGERPRINT * TENSOR_LEAVES} if step in after_save else {}),
     )
+
+
+def test_the_ema_hook_reads_nothing_after_its_first_update(tmp_path):
+    """``AveragedModel.update_parameters`` reads its ``n_averaged`` twice (copy or average?): the
+    hook calls it for its first update only (steps 1 here, before the window)."""
+    assert_reads(count(tmp_path, hooks=[EmaHook(decay=0.9)]), expect(lambda step: [GUARD]))
 
 
 def test_all_common_hooks_together(tmp_path):
