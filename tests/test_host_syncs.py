@@ -33,6 +33,7 @@ from trainfsm.hooks.ema import EmaHook
 from trainfsm.hooks.logging_hook import LoggingHook
 from trainfsm.hooks.progress import ProgressHook
 from trainfsm.hooks.stats import StatsHook
+from trainfsm.hooks.validation import ValidationHook
 
 #: Frames are named by ``co_qualname`` ("Stepper.check_and_clip.<locals>.<genexpr>"), new in 3.11.
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="names frames by code.co_qualname (Python 3.11+)")
@@ -61,6 +62,8 @@ SCALER_STEP: Key = ("src/trainfsm/step.py:Stepper.apply", "Tensor.item")
 #: interval's one device-to-host copy.
 STATS_CAST: Key = ("src/trainfsm/hooks/stats.py:IntervalStats._to_floats", "Tensor.to")
 STATS_COPY: Key = ("src/trainfsm/hooks/stats.py:IntervalStats._to_floats", "Tensor.tolist")
+#: ValidationHook at an evaluation: each result's value.
+VALIDATION_VALUE: Key = ("src/trainfsm/hooks/validation.py:_scalar_to_float", "Tensor.item")
 #: The data ledger fingerprints each epoch's first batch and the batch after a save: per tensor
 #: leaf of the batch as the loader yields it (host memory for a DataLoader), a ``cpu`` and a ``numpy``.
 FINGERPRINT: list[Key] = [
@@ -82,9 +85,10 @@ class SyncTrainer(TinyTrainer):
 
     def forward(self, input: Any) -> tuple[torch.Tensor | None, dict[str, Any]]:
         assert self.model is not None
-        if self.micro_batch_step != self.step:
-            self.micro_batch_step, self.micro_batch = self.step, 0
-        self.micro_batch += 1
+        if torch.is_grad_enabled():  # a training micro-batch, not ValidationHook's evaluation
+            if self.micro_batch_step != self.step:
+                self.micro_batch_step, self.micro_batch = self.step, 0
+            self.micro_batch += 1
         out = self.model(input["x"]).float()
         loss = nn.functional.mse_loss(out, input["y"])
         return loss, {"error": (out - input["y"]).abs().mean().detach()}
@@ -232,11 +236,15 @@ HOOKS: dict[str, tuple[Callable[[], BaseHook], list[Key]]] = {
         lambda: StatsHook(lambda trainer, stats: None, interval=INTERVAL),
         [STATS_CAST, STATS_CAST, STATS_COPY],
     ),
+    "ValidationHook": (  # an evaluation: one read per value (the loss and the record), not per batch
+        lambda: ValidationHook(INTERVAL, data_loader=make_batches(3)),
+        [VALIDATION_VALUE, VALIDATION_VALUE],
+    ),
 }
 
 
 @pytest.mark.parametrize("name", HOOKS)
-def test_a_stats_hook_reads_only_at_its_interval(tmp_path, name):
+def test_a_hook_reads_only_at_its_interval(tmp_path, name):
     make, at_interval = HOOKS[name]
     counted = count(tmp_path, hooks=[make()])
     assert_reads(counted, expect(lambda step: [GUARD, *interval(step, at_interval)]))
