@@ -121,11 +121,13 @@ class CountSteps(BaseHook):
         self.reads.stop()
 
 
-def count(tmp_path: Path, hooks: Sequence[BaseHook] = (), **kwargs: Any) -> dict[tuple[int, Part], list[Read]]:
+def count(
+    tmp_path: Path, hooks: Sequence[BaseHook] = (), trainer_class: type[SyncTrainer] = SyncTrainer, **kwargs: Any
+) -> dict[tuple[int, Part], list[Read]]:
     """Train FIRST..LAST + 1 steps and return the counted reads by (step, part)."""
     trainer: SyncTrainer | None = None
     reads = HostReads(where=lambda: trainer.where() if trainer is not None else None)
-    trainer = SyncTrainer(
+    trainer = trainer_class(
         hooks=[CountSteps(reads, FIRST, LAST), *hooks], max_steps=LAST + 1, workspace=tmp_path, **kwargs
     )
     with reads:
@@ -361,6 +363,52 @@ def test_a_planted_hook_that_reads_every_step_is_named(tmp_path, kind):
     named = f"unexpected: tests/test_host_syncs.py:Planted.on_after_step{via} called {method} (line "
     assert str(failed.value).count(named) == LAST - FIRST + 1, str(failed.value)
     assert_reads(counted, expect(lambda step: [GUARD, ("tests/test_host_syncs.py:Planted.on_after_step", method)]))
+
+
+def reading_hook(method: str) -> BaseHook:
+    """A hook whose ``method`` (and nothing else) reads the model's bias on the host."""
+
+    def read(self: BaseHook, trainer: BaseTrainer, *rest: Any) -> bool:
+        bool(trainer.unwrapped_model.bias.sum() == 0.0)
+        return False  # wants_stop, wants_checkpoint: no
+
+    return type(f"Reads{method}", (BaseHook,), {method: read})()  # type: ignore[no-any-return]
+
+
+#: Each hook method a routine step calls, and where its read lands.
+STEP_METHODS = {
+    "on_before_step": "before",
+    "on_before_optimizer_step": 1,
+    "on_evaluate": 1,
+    "on_step_info": 1,
+    "wants_stop": 1,
+    "wants_checkpoint": 1,
+    "on_after_step": 1,
+}
+
+
+@pytest.mark.parametrize("method", STEP_METHODS)
+def test_a_read_in_any_hook_method_of_a_counted_step_is_counted(tmp_path, method):
+    """The window holds every hook's work of each counted step, whatever the hook's place."""
+    counted = count(tmp_path, hooks=[reading_hook(method)])
+    planted = ("tests/test_host_syncs.py:reading_hook.<locals>.read", "Tensor.__bool__")
+    assert_reads(counted, expect(lambda step: [GUARD], extra=lambda step: {STEP_METHODS[method]: [planted]}))
+
+
+class ReadingForward(SyncTrainer):
+    """A forward that reads its loss on the host, as many scripts do for a progress bar."""
+
+    def forward(self, input: Any) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        loss, records = super().forward(input)
+        assert loss is not None
+        self.losses.append(loss.item())
+        return loss, records
+
+
+def test_a_read_in_forward_is_counted_on_each_micro_batch(tmp_path):
+    counted = count(tmp_path, trainer_class=ReadingForward, gradient_accumulation_steps=3)
+    forward = ("tests/test_host_syncs.py:ReadingForward.forward", "Tensor.item")
+    assert_reads(counted, expect(lambda step: [GUARD], 3, lambda step: {1: [forward], 2: [forward], 3: [forward]}))
 
 
 def test_the_message_lists_each_unexpected_and_missing_read(tmp_path):
