@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from tests.helpers import TinyTrainer
 from trainfsm import BaseHook, CheckpointingHook
@@ -114,6 +115,37 @@ def test_use_buffers_decides_whether_buffers_are_averaged(tmp_path: Path, use_bu
         assert not torch.equal(averaged, live)  # averaged: lags the live statistics
     else:
         assert torch.equal(averaged, live)  # copied at every update
+
+
+class Reference(BaseHook):
+    """torch's own ``AveragedModel.update_parameters`` every step, beside the hook's updates."""
+
+    def __init__(self, decay: float, use_buffers: bool) -> None:
+        self.decay, self.use_buffers = decay, use_buffers
+        self.model: AveragedModel | None = None
+
+    def on_before_train(self, trainer: Any) -> None:
+        average = get_ema_multi_avg_fn(self.decay)
+        self.model = AveragedModel(trainer.unwrapped_model, multi_avg_fn=average, use_buffers=self.use_buffers)
+
+    def on_after_step(self, trainer: Any) -> None:
+        assert self.model is not None
+        self.model.update_parameters(trainer.unwrapped_model)
+
+
+@pytest.mark.parametrize("use_buffers", [False, True])
+def test_the_hooks_updates_without_a_host_read_are_torchs_bit_for_bit(tmp_path: Path, use_buffers: bool) -> None:
+    """After its first update the hook averages without reading ``n_averaged`` (two syncs per step in
+    ``update_parameters``): the same parameters, buffers (BatchNorm's long ``num_batches_tracked``
+    too) and count as torch's own update."""
+    ema, reference = EmaHook(decay=0.7, use_buffers=use_buffers), Reference(0.7, use_buffers)
+    BatchNormTrainer(max_steps=5, workspace=tmp_path, hooks=[ema, reference]).train()
+    assert ema.ema_model is not None and reference.model is not None
+    ours, torchs = ema.ema_model.state_dict(), reference.model.state_dict()
+    assert set(ours) == set(torchs) and "module.1.num_batches_tracked" in ours
+    for key, value in torchs.items():
+        assert torch.equal(ours[key], value), key
+    assert int(ours["n_averaged"]) == 5
 
 
 def test_two_hooks_keep_their_state_under_their_own_names(tmp_path: Path) -> None:

@@ -4,6 +4,14 @@ The average is a ``torch.optim.swa_utils.AveragedModel`` of ``trainer.unwrapped_
 on the model's device) with ``get_ema_multi_avg_fn(decay)``: per step one fused
 ``ema += (1 - decay) * (weights - ema)`` over all parameters, and no device sync.
 
+Why the hook does not call ``AveragedModel.update_parameters`` every step: it decides copy or average
+with ``bool(self.n_averaged == 0)`` and ``if self.n_averaged > 0``, two host reads of a buffer on the
+model's device, so two syncs per step on a GPU (``tests/test_host_syncs.py`` counted them). The
+hook calls it for its first update of each attempt (the copy, or the first average after a resume,
+whatever the loaded ``n_averaged``), and from then on, knowing the count is above zero, runs the
+same updates itself: the same fused average per device and dtype, the same buffer copies, the same
+``n_averaged += 1``, bit for bit.
+
 When it is updated: in ``on_after_step``, once per completed optimizer step (a retried step reaches
 ``on_after_step`` once, after its successful attempt). As in ``AveragedModel``, the first update
 copies the weights; each later one moves the average towards them. A step the fp16 grad scaler
@@ -20,13 +28,17 @@ average a fresh copy of the loaded weights.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from trainfsm.hooks.base import BaseHook
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from trainfsm.trainer import BaseTrainer
 
 
@@ -50,6 +62,7 @@ class EmaHook(BaseHook):
         self.name = name
         self.ema_model: AveragedModel | None = None
         self._average = get_ema_multi_avg_fn(self.decay)  # type: ignore[no-untyped-call]
+        self._averaging = False  # n_averaged > 0, known on the host: updates need not read it
 
     def _built(self, trainer: BaseTrainer) -> AveragedModel:
         if self.ema_model is None:
@@ -60,9 +73,36 @@ class EmaHook(BaseHook):
 
     def on_before_train(self, trainer: BaseTrainer) -> None:
         self._built(trainer)
+        self._averaging = False  # this attempt's first update asks n_averaged (loaded, or 0)
 
     def on_after_step(self, trainer: BaseTrainer) -> None:
-        self.ema_model.update_parameters(trainer.unwrapped_model)  # type: ignore[union-attr]
+        ema, model = self._built(trainer), trainer.unwrapped_model
+        if not self._averaging:
+            ema.update_parameters(model)  # reads n_averaged on the host: once per attempt
+            self._averaging = True
+            return
+        self._update(ema, model)
+
+    @torch.no_grad()
+    def _update(self, ema: AveragedModel, model: torch.nn.Module) -> None:
+        """``AveragedModel.update_parameters`` once ``n_averaged > 0``, without reading it."""
+        averaged: Iterable[torch.Tensor] = ema.module.parameters()
+        current: Iterable[torch.Tensor] = model.parameters()
+        if self.use_buffers:
+            averaged = itertools.chain(averaged, ema.module.buffers())
+            current = itertools.chain(current, model.buffers())
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for p_averaged, p_model in zip(averaged, current, strict=False):  # strict=False, as torch's
+            target, source = p_averaged.detach(), p_model.detach()
+            group = groups.setdefault((target.device, target.dtype), ([], []))
+            group[0].append(target)
+            group[1].append(source if source.device == target.device else source.to(target.device))
+        for targets, sources in groups.values():
+            self._average(targets, sources, ema.n_averaged)  # the EMA ignores the count
+        if not self.use_buffers:  # keep the buffers as the model's, as AveragedModel does
+            for b_averaged, b_model in zip(ema.module.buffers(), model.buffers(), strict=True):
+                b_averaged.detach().copy_(b_model.detach())  # copy_ moves across devices itself
+        ema.n_averaged += 1  # on its device: no sync
 
     def on_state_dict(self, trainer: BaseTrainer, state_dict: dict[str, Any]) -> None:
         state_dict[self.name] = self._built(trainer).state_dict()
