@@ -163,12 +163,16 @@ class Stepper:
     def apply(self, finite: bool) -> bool:
         """Optimizer step, scaler update, zero grads, scheduler step; True if the step applied.
 
-        With an fp16 scaler a non-finite step is skipped by ``scaler.step`` and the scale backs
-        off, as PyTorch intends. The scheduler advances only after an applied step, so a skipped
-        or retried step never advances it.
+        With an fp16 scaler a non-finite step is skipped and the scale backs off, as PyTorch
+        intends. ``check_and_clip`` unscaled the gradients and read the scaler's inf flags already
+        (``finite``), so the optimizer steps on that answer: ``GradScaler.step`` would read the same
+        flags again (``_maybe_opt_step``'s ``item``), a second host sync per step for nothing.
+        ``update`` takes the flags from ``unscale_`` on the device. The scheduler advances only after
+        an applied step, so a skipped or retried step never advances it.
         """
         if self.scaler_enabled:
-            self.scaler.step(self.optimizer)
+            if finite:
+                self.optimizer.step()
             self.scaler.update()
         else:
             self.optimizer.step()
