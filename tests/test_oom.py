@@ -15,7 +15,7 @@ import torch
 
 from tests.distributed.launch import audit_problems, events, run_worker
 from tests.helpers import read_events, transitions_of
-from tests.oom_trainer import FitsUpTo, batches, quartered
+from tests.oom_trainer import FitsUpTo, batches, model, quartered
 from trainfsm import CheckpointingHook
 from trainfsm.oom import BatchSplitError
 from trainfsm.tools import audit
@@ -164,6 +164,36 @@ def test_two_ddp_ranks_where_only_rank_1_runs_out_split_together_and_keep_each_b
         result = torch.load(tmp_path / f"oom.rank{rank}.pt")
         for mine, theirs in zip(result["split"], result["reference"], strict=True):
             torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+        # One gradient all-reduce per step, split or not (the pieces accumulate under no_sync), and
+        # one for each of step 1's two tries that ran out.
+        assert result["all_reduces"] == {"split": 5 + 2, "reference": 5}
     assert audit_problems(tmp_path / "split") == []
     report = audit.audit([tmp_path / "split"])
     assert report.run_problems == [] and all(line.endswith(ONCE) for line in report.ledger), report.ledger
+
+
+class FirstHalfNone(FitsUpTo):
+    """Returns loss=None for the first half of batch 0 once it is split (rows 0-31 of 64)."""
+
+    def forward(self, batch: Any) -> Any:
+        first = self.data[0]["x"]
+        if batch["x"].shape[0] == 32 and torch.equal(batch["x"], first[:32]):
+            return None, {}
+        return super().forward(batch)
+
+
+def test_a_piece_that_returns_loss_none_trains_nothing_and_the_others_keep_their_share(tmp_path: Path) -> None:
+    """The gradient and the reported loss are the other piece's at half the weight (its share of the
+    rows), as in the unsplit micro-batch whose loss is the mean over all its rows."""
+    data = batches(1)
+    run = FirstHalfNone(data, limit=32, max_steps=1, max_oom_retries=1, workspace=tmp_path)
+    run.train()
+    net = model()
+    x, y = data[0]["x"][32:], data[0]["y"][32:]
+    loss = torch.nn.functional.mse_loss(net(x), y) * 0.5
+    loss.backward()
+    with torch.no_grad():
+        expected = [p - 0.05 * p.grad for p in net.parameters()]
+    for mine, theirs in zip(parameters(run), expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-7)
+    torch.testing.assert_close(run.step_info["loss"][0], loss.detach(), rtol=0, atol=1e-7)

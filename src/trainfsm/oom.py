@@ -134,7 +134,9 @@ class MemoryFit:
             if loss is not None:
                 losses.append(loss)
                 shares.append(share)
-        combined = weighted(losses, [s / sum(shares) for s in shares]) if losses else None
+        # A piece whose forward returned loss=None trained nothing: the others keep their share,
+        # in the gradient and in the reported loss alike.
+        combined = weighted(losses, shares) if losses else None
         return combined, weighted(records, [n / total for _, n in parts])
 
     def shadow(self, stepper: Stepper, forward: Callable[[Any], Any], batch: Any, micro: int, last: bool) -> None:
@@ -143,7 +145,9 @@ class MemoryFit:
         loss (no memory to speak of; the NaN tells every rank at the finite check)."""
         failure = self.failure or {}
         failed_here = failure.get("micro") == micro
-        if failed_here and failure.get("phase") == "backward" and (last or stepper.no_sync is None):
+        parts = split(batch, self.pieces) if self.pieces > 1 else [(batch, 0)]
+        final_piece = failure.get("piece", 0) == len(parts) - 1  # only its backward is outside no_sync
+        if failed_here and failure.get("phase") == "backward" and ((last and final_piece) or stepper.no_sync is None):
             raise torch.OutOfMemoryError(
                 f"out of memory in the backward of micro-batch {micro}, whose gradient all-reduce (DDP) had begun "
                 f"({failure.get('message')}): the other ranks wait in it, so this step cannot be retried in step "
@@ -152,11 +156,18 @@ class MemoryFit:
             )
         # The same forwards and backwards as the others run (DDP's own collectives, its bucket rebuild
         # among them, follow its forwards), one sample each: the pieces from the failed one on.
-        parts = split(batch, self.pieces) if self.pieces > 1 else [(batch, 0)]
         first = failure.get("piece", 0) if failed_here else 0
         one = map_nested_tensor(lambda t: t[:1], batch)
         for i in range(first, len(parts)):
-            stepper.micro(forward, one, last and i == len(parts) - 1, float("nan"))
+            try:
+                stepper.micro(forward, one, last and i == len(parts) - 1, float("nan"))
+            except torch.OutOfMemoryError:
+                raise torch.OutOfMemoryError(
+                    f"out of memory again in a one-sample forward/backward run to keep step with the other ranks "
+                    f"after {failure.get('message')!r}: even one sample does not fit; the other ranks will fail at "
+                    "their next collective. Use less memory per sample (activation checkpointing, bf16, a smaller "
+                    "model or sequence) or a device with more memory."
+                ) from None
 
     def agree(self, rank: int, world: int) -> list[int]:
         """At a non-finite step's end (``shared``): the ranks that ran out of memory in it, the same

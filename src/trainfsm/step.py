@@ -44,7 +44,10 @@ class Stepper:
         gradient all-reduce on all but the last micro-batch (``no_sync``) when the model offers
         it and ``no_sync_accumulate`` allows it."""
         model, accumulation = trainer.model, trainer.gradient_accumulation_steps
-        no_sync = getattr(model, "no_sync", None) if trainer.no_sync_accumulate and accumulation > 1 else None
+        # max_oom_retries: a split micro-batch's pieces accumulate too, so they need no_sync even
+        # at accumulation 1 (a routine step of one whole micro-batch is always ``last``: unchanged).
+        accumulates = accumulation > 1 or trainer.max_oom_retries > 0
+        no_sync = getattr(model, "no_sync", None) if trainer.no_sync_accumulate and accumulates else None
         activity.name(cls._forward_backward, forward_or_backward(model is not None and is_distributed_wrapper(model)))
         return cls(
             model=model,  # type: ignore[arg-type]

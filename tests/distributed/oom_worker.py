@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -20,21 +22,39 @@ from tests.oom_trainer import FitsUpTo, batches, quartered
 STEPS = 5
 
 
-def scenario_oom(out: Path, rank: int) -> dict[str, Any]:
-    from torch.nn.parallel import DistributedDataParallel
+class Counted:
+    """DDP with a communication hook that counts its gradient all-reduces (one per bucket)."""
 
+    def __init__(self) -> None:
+        self.all_reduces = 0
+
+    def __call__(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        def counted(state, bucket):  # type: ignore[no-untyped-def]  # unannotated: DDP checks a real GradBucket annotation
+            self.all_reduces += 1
+            return allreduce_hook(state, bucket)
+
+        ddp = DistributedDataParallel(module)
+        ddp.register_comm_hook(None, counted)
+        return ddp
+
+
+def scenario_oom(out: Path, rank: int) -> dict[str, Any]:
+    split_ddp, reference_ddp = Counted(), Counted()
     data = batches(STEPS, 64, seed=rank)
     split = FitsUpTo(
         data,
         limit=16 if rank == 1 else None,
-        wrap=DistributedDataParallel,
+        wrap=split_ddp,
         max_steps=STEPS,
         max_oom_retries=3,
         workspace=out / "split",
     )
     split.train()
     reference = FitsUpTo(
-        quartered(data), wrap=DistributedDataParallel, max_steps=STEPS, gradient_accumulation_steps=4,
+        quartered(data), wrap=reference_ddp, max_steps=STEPS, gradient_accumulation_steps=4,
         workspace=out / "reference",
     )  # fmt: skip
     reference.train()
@@ -42,6 +62,7 @@ def scenario_oom(out: Path, rank: int) -> dict[str, Any]:
         "split": [p.detach().clone() for p in split.model.parameters()],  # type: ignore[union-attr]
         "reference": [p.detach().clone() for p in reference.model.parameters()],  # type: ignore[union-attr]
         "rows_seen": split.rows_seen,
+        "all_reduces": {"split": split_ddp.all_reduces, "reference": reference_ddp.all_reduces},
     }
 
 
