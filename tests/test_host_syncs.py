@@ -192,6 +192,14 @@ def test_accumulation_reads_nothing_on_micro_batches_that_only_accumulate(tmp_pa
     assert_reads(counted, expect(lambda step: [GUARD], accumulation=4))
 
 
+def test_out_of_memory_retries_switched_on_add_no_read_to_a_routine_step(tmp_path):
+    """``max_oom_retries``: the step's micro-batches are kept and run through ``MemoryFit``; the
+    agreement among ranks runs only on a non-finite step."""
+    assert_reads(
+        count(tmp_path, max_oom_retries=3, gradient_accumulation_steps=2), expect(lambda step: [GUARD], accumulation=2)
+    )
+
+
 def test_grad_clip_reads_the_norm_it_computes_once(tmp_path):
     assert_reads(count(tmp_path, grad_clip=1.0), expect(lambda step: [GUARD_CLIP]))
 
