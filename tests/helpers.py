@@ -86,7 +86,8 @@ class TinyTrainer(BaseTrainer):
         return self.batches
 
     def build_model(self) -> nn.Module:
-        return make_model().to(self.device)  # no copy on CPU
+        model = make_model()
+        return model if self.device.type == "cpu" else model.to(self.device)  # on CPU: no Tensor.to call at all
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         assert self.model is not None

@@ -64,6 +64,11 @@ def cpu_fp16_supported() -> bool:
         return False
 
 
+needs_cpu_fp16 = pytest.mark.skipif(
+    not cpu_fp16_supported(), reason="this torch build lacks CPU float16 autocast or a CPU GradScaler"
+)
+
+
 def needs_fp16(device: str) -> None:
     """Skip on CPU where this torch lacks float16 autocast or a CPU GradScaler (CUDA has both)."""
     if device == "cpu" and not cpu_fp16_supported():
@@ -279,8 +284,8 @@ def test_fp16_scaler_skips_a_non_finite_step_without_retry(make_trainer, events,
     assert trainer.seen == [0, 1, 2]
 
 
+@needs_cpu_fp16
 def test_fp16_scaler_skip_does_not_advance_the_scheduler(make_trainer):
-    needs_fp16("cpu")
     trace = LrTrace()
     trainer = make_trainer(max_steps=3, mixed_precision="fp16", script={2: "nan"}, scheduler=halving, hooks=[trace])
     trainer.train()
@@ -288,8 +293,8 @@ def test_fp16_scaler_skip_does_not_advance_the_scheduler(make_trainer):
     assert trainer.lr_scheduler.last_epoch == 2
 
 
+@needs_cpu_fp16
 def test_fp16_scaler_skip_still_fires_step_hooks(make_trainer):
-    needs_fp16("cpu")
     log: list[tuple[str, str, int]] = []
     make_trainer(max_steps=2, mixed_precision="fp16", script={1: "nan"}, hooks=[RecordingHook(log)]).train()
     methods = [(m, s) for _, m, s in log if m in ("on_before_optimizer_step", "on_after_step")]
