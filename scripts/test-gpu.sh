@@ -13,6 +13,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
+# cuBLAS picks its reduction order per workspace: with a fixed workspace the same product gives the
+# same bits in every run (the tests compare resumed runs bit for bit). Read at cuBLAS's first use.
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 status=0
 echo "test-gpu: $PYTHON -m pytest -m cuda"
 "$PYTHON" -m pytest -q -m cuda -p no:xdist --timeout 300 --durations=20 "$@" || status=$?
