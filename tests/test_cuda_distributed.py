@@ -52,7 +52,7 @@ def nccl() -> Iterator[DistEnv]:
 def test_init_distributed_nccl_with_one_rank_makes_a_working_nccl_group(nccl: DistEnv) -> None:
     assert (nccl.rank, nccl.world_size, nccl.local_rank) == (0, 1, 0)
     assert dist.is_initialized() and dist.get_backend() == "nccl"
-    assert dist.get_backend_config() == "cuda:nccl"  # no CPU backend: host flags need a group of their own
+    assert "cpu:" not in dist.get_backend_config()  # no CPU backend: host flags need a group of their own
     assert torch.cuda.current_device() == 0
     value = torch.full((4,), 3.0, device="cuda")
     dist.all_reduce(value)
