@@ -109,13 +109,18 @@ class TinyTrainer(BaseTrainer):
             raise action
         if action == "none":
             return None, {}
-        out = self.model(input["x"].to(self.device))
+        x, y = (input["x"], input["y"]) if self.device.type == "cpu" else _to(self.device, input["x"], input["y"])
+        out = self.model(x)
         self.autocast.append((torch.is_autocast_enabled(self.device.type), out.dtype))
-        loss = nn.functional.mse_loss(out.float(), input["y"].to(self.device))
+        loss = nn.functional.mse_loss(out.float(), y)
         if action == "nan":
             loss = loss * float("nan")
         self.losses.append(loss.item())
         return loss, {"loss": loss.item(), "m": {"batch": float(input["i"])}}
+
+
+def _to(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(device) for t in tensors)
 
 
 class Slow(BaseHook):
