@@ -5,8 +5,12 @@
 #   make demo                  train the demo (trainfsm demo), print accuracy and where the files are
 #   make demo ARGS="--steps 600"
 #   make test                  the fast tier, under 5 minutes on 2 cores: every feature, one trial of each
-#                              kind of fault (pytest -m "not slow", 3 processes, 300 s a test at most)
-#   make test-all              the full suite, about 17 minutes on 2 cores: every test, every trial (what CI runs)
+#                              kind of fault (pytest -m "not slow and not cuda", 3 processes, 300 s a test at most)
+#   make test-all              the full suite, about 17 minutes on 2 cores: every test, every trial (what CI runs;
+#                              the cuda tests are skipped there, with their reason)
+#   make test-gpu              the GPU tier: the tests marked cuda (one process) and benchmarks/overhead.py with a
+#                              GPU-sized step (scripts/test-gpu.sh); without CUDA all skipped with their reasons, exit 0.
+#                              On a GPU machine without network: scripts/gpu-check.sh (README, "On a GPU")
 #   make test PYTEST_ARGS="-k diagram -x"
 #   make test-all PYTEST_ARGS="-m faults"    one kind of test (markers: pyproject.toml, tests/tiers.py)
 #   make test TEST_WORKERS=0   in this process, no xdist (a debugger, -s)
@@ -30,7 +34,7 @@ LINTED := src tests benchmarks examples
 TEST_WORKERS ?= 3
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup demo test test-all lint format diagrams docs clean
+.PHONY: setup demo test test-all test-gpu lint format diagrams docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -39,10 +43,13 @@ demo: setup
 	$(BIN)/trainfsm demo $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow" --timeout 300 --durations=15 $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not cuda" --timeout 300 --durations=15 $(XDIST) $(PYTEST_ARGS)
 
 test-all: setup
 	$(BIN)/python -m pytest -q --durations=40 $(XDIST) $(PYTEST_ARGS)
+
+test-gpu: setup
+	PYTHON=$(BIN)/python bash scripts/test-gpu.sh $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check $(LINTED)

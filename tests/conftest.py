@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import TinyTrainer, read_events
-from tests.tiers import FAST_TWIN
+from tests.tiers import CUDA, FAST_TWIN, cuda_skip_reason
 
 
 @pytest.fixture
@@ -58,6 +59,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: weight[item.path])  # stable
     yield
     _drop_fast_twins(config, items)  # after -m and -k have deselected what they deselect
+    _skip_cuda_without_a_device(items)
+
+
+def _skip_cuda_without_a_device(items: list[pytest.Item]) -> None:
+    """Mark every selected ``cuda`` test skipped, with the reason, where CUDA is absent: its
+    fixtures (a process group, a GPU model) are never set up. With ``TRAINFSM_REQUIRE_CUDA`` set
+    (scripts/gpu-check.sh on a GPU machine) a missing CUDA fails the session instead: a GPU tier
+    of skips would pass and check nothing."""
+    cuda = [item for item in items if item.get_closest_marker(CUDA)]
+    if not cuda:
+        return
+    reason = cuda_skip_reason()
+    if reason is None:
+        return
+    if os.environ.get("TRAINFSM_REQUIRE_CUDA"):
+        raise pytest.UsageError(f"TRAINFSM_REQUIRE_CUDA is set, but the cuda tests cannot run: {reason}")
+    for item in cuda:
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def _drop_fast_twins(config: pytest.Config, items: list[pytest.Item]) -> None:

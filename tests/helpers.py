@@ -3,7 +3,9 @@
 ``TinyTrainer`` trains ``nn.Linear(3, 1)`` with plain SGD on a list of seeded random batches. Its
 ``forward`` can be scripted per call (1-based, counted over the whole run): ``"nan"`` multiplies the
 loss by NaN (non-finite gradients), ``"none"`` returns ``loss=None``, an exception instance is
-raised. Every call records which batch it saw, so tests can tell which data a step used.
+raised. Every call records which batch it saw, so tests can tell which data a step used. On
+``device="cuda"`` (the ``cuda`` tier, ``tests/tiers.py``'s ``DEVICES``) the model is moved there and
+each batch as ``forward`` takes it; the batches themselves stay the same CPU tensors on both devices.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class TinyTrainer(BaseTrainer):
         return self.batches
 
     def build_model(self) -> nn.Module:
-        return make_model()
+        model = make_model()
+        return model if self.device.type == "cpu" else model.to(self.device)  # on CPU: no Tensor.to call at all
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         assert self.model is not None
@@ -106,13 +109,18 @@ class TinyTrainer(BaseTrainer):
             raise action
         if action == "none":
             return None, {}
-        out = self.model(input["x"])
-        self.autocast.append((torch.is_autocast_enabled("cpu"), out.dtype))
-        loss = nn.functional.mse_loss(out.float(), input["y"])
+        x, y = (input["x"], input["y"]) if self.device.type == "cpu" else _to(self.device, input["x"], input["y"])
+        out = self.model(x)
+        self.autocast.append((torch.is_autocast_enabled(self.device.type), out.dtype))
+        loss = nn.functional.mse_loss(out.float(), y)
         if action == "nan":
             loss = loss * float("nan")
         self.losses.append(loss.item())
         return loss, {"loss": loss.item(), "m": {"batch": float(input["i"])}}
+
+
+def _to(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(device) for t in tensors)
 
 
 class Slow(BaseHook):

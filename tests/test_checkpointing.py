@@ -18,13 +18,16 @@ import xxhash
 from torch import nn
 
 from tests.helpers import read_events, trail_events
+from tests.tiers import DEVICES
 from trainfsm import BaseHook, BaseTrainer, CheckpointError, CheckpointingHook
 from trainfsm.checkpoint.io import BUFFER_BYTES, FROM_CALLER_BYTES, DurableWriter, Staging, open_for_writing
 from trainfsm.checkpoint.store import CheckpointStore
 
 
 class Trainer(BaseTrainer):
-    """Dropout, a shuffling DataLoader, Adam and a StepLR: everything exact resume must restore."""
+    """Dropout, a shuffling DataLoader, Adam and a StepLR: everything exact resume must restore. On
+    ``device="cuda"`` (the GPU tier) the model and each batch move there: dropout draws from CUDA's
+    generator, and a save copies the state from GPU memory."""
 
     def __init__(self, hook: CheckpointingHook | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("device", "cpu")
@@ -38,7 +41,7 @@ class Trainer(BaseTrainer):
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+        return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1)).to(self.device)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.model.parameters(), lr=0.05)  # type: ignore[union-attr]
@@ -50,7 +53,7 @@ class Trainer(BaseTrainer):
         return [self.hook] if self.hook else []
 
     def forward(self, input: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        x, y = input
+        x, y = (t.to(self.device) for t in input)
         noise = random.random() * 1e-3  # python's RNG must be restored too
         return nn.functional.mse_loss(self.model(x), y) + noise, {}  # type: ignore[misc]
 
@@ -64,9 +67,9 @@ def events(workspace: Path, name: str | None = None) -> list[dict[str, Any]]:
     return [e for e in out if name is None or e["event"] == name]
 
 
-def run(workspace: Path, steps: int, **hook_kwargs: Any) -> Trainer:
+def run(workspace: Path, steps: int, device: str = "cpu", **hook_kwargs: Any) -> Trainer:
     hook_kwargs.setdefault("interval", 4)
-    trainer = Trainer(CheckpointingHook(**hook_kwargs), max_steps=steps, workspace=workspace)
+    trainer = Trainer(CheckpointingHook(**hook_kwargs), max_steps=steps, workspace=workspace, device=device)
     torch.manual_seed(1)
     random.seed(1)
     trainer.train()
@@ -106,12 +109,13 @@ def test_transitions_go_through_checkpoint_state(tmp_path: Path) -> None:
     assert rows[-2:] == [("save", "ACCUMULATE", "CHECKPOINT", 5), ("finish", "CHECKPOINT", "EXIT", 5)]
 
 
-def test_resume_is_exact_with_dropout_shuffle_adam_and_scheduler(tmp_path: Path) -> None:
-    straight = params(run(tmp_path / "a", 13))
-    run(tmp_path / "b", 7)  # interrupted mid-epoch (5 batches per epoch), checkpoint at step 7
-    torch.manual_seed(999)  # a different process state: everything must come from the checkpoint
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_is_exact_with_dropout_shuffle_adam_and_scheduler(tmp_path: Path, device: str) -> None:
+    straight = params(run(tmp_path / "a", 13, device))
+    run(tmp_path / "b", 7, device)  # interrupted mid-epoch (5 batches per epoch), checkpoint at step 7
+    torch.manual_seed(999)  # a different process state (CUDA's generator too): all must come from the checkpoint
     random.seed(999)
-    resumed = Trainer(CheckpointingHook(interval=4), max_steps=13, workspace=tmp_path / "b")
+    resumed = Trainer(CheckpointingHook(interval=4), max_steps=13, workspace=tmp_path / "b", device=device)
     resumed.train()
     assert resumed.attempt == 1
     assert [e["path"] for e in events(tmp_path / "b", "checkpoint_loaded")] == [str(tmp_path / "b/checkpoints/7")]
@@ -384,9 +388,10 @@ def test_resume_with_a_changed_model_names_every_mismatched_key(tmp_path: Path) 
     assert "2.weight (checkpoint (1, 8), model (1, 9))" in message
 
 
-def test_async_save_writes_the_same_checkpoints_and_reports_blocked_time(tmp_path: Path) -> None:
-    sync = run(tmp_path / "sync", 9)
-    asynchronous = run(tmp_path / "async", 9, async_save=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_async_save_writes_the_same_checkpoints_and_reports_blocked_time(tmp_path: Path, device: str) -> None:
+    sync = run(tmp_path / "sync", 9, device)
+    asynchronous = run(tmp_path / "async", 9, device, async_save=True)
     for a, b in zip(params(sync), params(asynchronous), strict=True):
         assert torch.equal(a, b)
     saved = events(tmp_path / "async", "checkpoint_saved")
@@ -399,9 +404,10 @@ def test_async_save_writes_the_same_checkpoints_and_reports_blocked_time(tmp_pat
     assert os.readlink(tmp_path / "async" / "checkpoints" / "latest") == "9"  # EXIT waited for it
 
 
-def test_async_save_stages_a_copy_so_later_steps_do_not_leak_into_it(tmp_path: Path) -> None:
-    run(tmp_path / "sync", 4, interval=2, keep_previous=5)
-    run(tmp_path / "async", 4, interval=2, keep_previous=5, async_save=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_async_save_stages_a_copy_so_later_steps_do_not_leak_into_it(tmp_path: Path, device: str) -> None:
+    run(tmp_path / "sync", 4, device, interval=2, keep_previous=5)
+    run(tmp_path / "async", 4, device, interval=2, keep_previous=5, async_save=True)
     a = CheckpointStore.load(tmp_path / "sync" / "checkpoints" / "2")["model"]["model"]
     b = CheckpointStore.load(tmp_path / "async" / "checkpoints" / "2")["model"]["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,4 +1,5 @@
-"""CudaMaxMemoryHook: one clear warning and no work on CPU; per-step peaks in GiB on CUDA."""
+"""CudaMaxMemoryHook: one clear warning and no work on CPU; per-step peaks in GiB on CUDA (the GPU
+tier, ``make test-gpu``: the tests marked ``cuda``), read against ``torch.cuda.max_memory_allocated``."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class CudaTrainer(TinyTrainer):
         return super().forward(moved)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU path is tested above)")
+@pytest.mark.cuda
 def test_on_cuda_each_step_reports_its_own_peak_in_gib(tmp_path: Path) -> None:
     info = StepInfo()
     trainer = CudaTrainer({2: 512}, max_steps=3, workspace=tmp_path, device="cuda", hooks=[CudaMaxMemoryHook(), info])
@@ -83,3 +84,33 @@ def test_on_cuda_each_step_reports_its_own_peak_in_gib(tmp_path: Path) -> None:
     assert peaks[1] >= 0.5  # step 2 held 512 MiB at its peak
     assert peaks[2] < 0.25  # reset after step 2: step 3's peak does not include it
     assert not [e for e in read_events(tmp_path) if e["event"] == "cuda_memory_unavailable"]
+
+
+class PeakProbe(BaseHook):
+    """Listed before the memory hook: reads ``torch.cuda.max_memory_allocated`` in ``on_step_info``,
+    just before the hook reads it and resets the peak."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+
+    def on_step_info(self, trainer: Any, info: Any) -> None:
+        self.peaks.append(torch.cuda.max_memory_allocated(trainer.device))
+
+
+@pytest.mark.cuda
+def test_on_cuda_max_memory_is_torchs_max_memory_allocated_since_the_last_step_in_gib(tmp_path: Path) -> None:
+    probe, info = PeakProbe(), StepInfo()
+    scratch = {2: 256, 4: 768}  # MiB held at once inside steps 2 and 4
+    trainer = CudaTrainer(
+        scratch, max_steps=5, workspace=tmp_path, device="cuda", hooks=[probe, CudaMaxMemoryHook(), info]
+    )
+    trainer.train()
+    reported = [seen["max_memory"] for seen in info.seen]
+    assert reported == [peak / 2**30 for peak in probe.peaks]  # the same number, in GiB
+    assert [seen["cuda_max_memory"] for seen in info.seen] == reported  # trainloop 0.11's key too
+    # Each step's own peak: a step's scratch shows in its own value only (the peak is reset after it).
+    base = max(reported[i] for i in (0, 2, 4))
+    assert base < 0.1  # Linear(3, 1), its gradients and batches: far under 256 MiB
+    for index, mib in ((1, 256), (3, 768)):
+        assert mib / 1024 <= reported[index] <= mib / 1024 + base + 0.01
+    assert reported[4] < 0.25  # step 5 after step 4's 768 MiB

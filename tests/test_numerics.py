@@ -1,5 +1,8 @@
 """What the trainer does to the weights: accumulation, retries, loss=None, clipping, the LR
-scheduler, bf16 autocast and the fp16 grad scaler, checked against SGD computed by hand."""
+scheduler, bf16 autocast and the fp16 grad scaler, checked against SGD computed by hand.
+
+The mixed-precision tests run on CPU and, in the GPU tier (``make test-gpu``), on CUDA: the same
+tiny model and batches, the same reference, autocast and ``GradScaler`` of the other device."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 from torch import nn
 
 from tests.helpers import INIT_BIAS, INIT_WEIGHT, RecordingHook, TinyTrainer, make_batches, outline
+from tests.tiers import DEVICES
 from trainfsm import BaseHook, BaseTrainer
 
 LR = 0.1
@@ -41,7 +45,7 @@ def concat(batches: list[dict[str, Any]], index: int) -> dict[str, Any]:
 
 def params(trainer: BaseTrainer) -> tuple[np.ndarray, np.ndarray]:
     model = trainer.unwrapped_model
-    return model.weight.detach().double().numpy(), model.bias.detach().double().numpy()
+    return model.weight.detach().double().cpu().numpy(), model.bias.detach().double().cpu().numpy()
 
 
 def assert_params(trainer: BaseTrainer, expected: tuple[np.ndarray, np.ndarray], atol: float = 1e-6) -> None:
@@ -63,6 +67,12 @@ def cpu_fp16_supported() -> bool:
 needs_cpu_fp16 = pytest.mark.skipif(
     not cpu_fp16_supported(), reason="this torch build lacks CPU float16 autocast or a CPU GradScaler"
 )
+
+
+def needs_fp16(device: str) -> None:
+    """Skip on CPU where this torch lacks float16 autocast or a CPU GradScaler (CUDA has both)."""
+    if device == "cpu" and not cpu_fp16_supported():
+        pytest.skip("this torch build lacks CPU float16 autocast or a CPU GradScaler")
 
 
 # ---------------------------------------------------------------- plain SGD and accumulation
@@ -205,9 +215,10 @@ def test_scheduler_is_not_advanced_by_retries(make_trainer):
 
 
 # ---------------------------------------------------------------- mixed precision
-def test_bf16_autocast_runs_on_cpu(make_trainer):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_autocast_runs(make_trainer, device):
     batches = make_batches(3)
-    trainer = make_trainer(max_steps=3, batches=batches, mixed_precision="bf16")
+    trainer = make_trainer(max_steps=3, batches=batches, mixed_precision="bf16", device=device)
     trainer.train()
     assert trainer.autocast == [(True, torch.bfloat16)] * 3
     assert not trainer.grad_scaler.is_enabled()
@@ -225,10 +236,11 @@ def test_no_mixed_precision_runs_without_autocast(make_trainer):
     assert not trainer.grad_scaler.is_enabled()
 
 
-@needs_cpu_fp16
-def test_fp16_autocast_and_grad_scaler_train_on_cpu(make_trainer, events):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_autocast_and_grad_scaler_train(make_trainer, events, device):
+    needs_fp16(device)
     batches = make_batches(3)
-    trainer = make_trainer(max_steps=3, batches=batches, mixed_precision="fp16")
+    trainer = make_trainer(max_steps=3, batches=batches, mixed_precision="fp16", device=device)
     trainer.train()
     assert trainer.autocast == [(True, torch.float16)] * 3
     assert trainer.grad_scaler.is_enabled()
@@ -237,15 +249,16 @@ def test_fp16_autocast_and_grad_scaler_train_on_cpu(make_trainer, events):
     assert not [e for e in events() if e["event"] == "non_finite"]
 
 
-@needs_cpu_fp16
-def test_fp16_scaler_skips_a_non_finite_step_without_retry(make_trainer, events):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_scaler_skips_a_non_finite_step_without_retry(make_trainer, events, device):
+    needs_fp16(device)
     weights: list[np.ndarray] = []
 
     class Weights(BaseHook):
         def on_after_step(self, trainer: BaseTrainer) -> None:
-            weights.append(trainer.unwrapped_model.weight.detach().clone().numpy())
+            weights.append(trainer.unwrapped_model.weight.detach().cpu().clone().numpy())
 
-    trainer = make_trainer(max_steps=3, mixed_precision="fp16", script={2: "nan"}, hooks=[Weights()])
+    trainer = make_trainer(max_steps=3, mixed_precision="fp16", script={2: "nan"}, hooks=[Weights()], device=device)
     trainer.train()  # max_non_finite_grad_retries is 0: the scaler, not RETRY, handles it
     assert outline(events()) == [
         "run_start",

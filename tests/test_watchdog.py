@@ -468,3 +468,60 @@ def test_the_audit_report_lists_each_stall_once_with_its_reports(tmp_path: Path)
     assert stall["at"].endswith("SleepyTrainer.forward")
     text = audit.render(audit.audit([tmp_path]))
     assert "  stall on rank 0: ACCUMULATE at step 2, " in text and "cleared after" in text
+
+
+# ---------------------------------------------------------------- on CUDA (the GPU tier)
+def kernel_cycles(seconds: float) -> int:
+    """How many cycles ``torch.cuda._sleep`` spins for about ``seconds`` on this GPU, measured (the
+    second of two measurements: the first may run before the clocks rise)."""
+    for _ in range(2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10**8)
+        end.record()
+        end.synchronize()
+    return int(10**8 * seconds * 1000 / start.elapsed_time(end))
+
+
+class KernelStuckTrainer(TinyTrainer):
+    """TinyTrainer on CUDA whose ``forward`` at ``stuck_at`` queues a kernel that spins ``cycles``:
+    the host goes on queueing the step's work and waits at the step's first host read (the finite
+    check's). Its forward reads nothing on the host."""
+
+    def __init__(self, *, stuck_at: int, cycles: int, **kwargs: Any) -> None:
+        super().__init__(device="cuda", **kwargs)
+        self.stuck_at, self.cycles = stuck_at, cycles
+
+    def forward(self, input: Any) -> Any:
+        assert self.model is not None
+        x, y = input["x"].to(self.device), input["y"].to(self.device)  # blocking copies: before the kernel
+        if self.step == self.stuck_at:
+            self.stuck_at = -1
+            torch.cuda._sleep(self.cycles)  # a kernel that runs about 1.5 s
+        return torch.nn.functional.mse_loss(self.model(x), y), {}
+
+
+@pytest.mark.cuda
+def test_a_step_stuck_in_a_cuda_kernel_is_named_where_the_host_waits_for_it(tmp_path: Path) -> None:
+    # CUDA's and cuBLAS's first use (seconds, once per process) before the budgets under a second.
+    TinyTrainer(max_steps=2, device="cuda").train()
+    cycles = kernel_cycles(1.5)
+    trainer = KernelStuckTrainer(max_steps=6, workspace=tmp_path, stall_timeout=0.5, stuck_at=3, cycles=cycles)
+    trainer.train()
+    events = read_events(tmp_path)
+    stuck = [s for s in stalls(events) if s["step"] == 3]
+    assert stuck, f"no stall at step 3: {stalls(events)}"
+    first = stuck[0]
+    # micro 1: the step's one micro-batch has run (forward and backward queued); the host waits after it.
+    assert (first["state"], first["micro"], first["report"], first["collective"]) == ("ACCUMULATE", 1, 1, None)
+    assert first["doing"] == (
+        "the finite check of the gradients, whose host read waits for the GPU's queued kernels, "
+        "in the gradients' finite check and clipping"
+    )
+    assert first["stack"][-1].split(" ")[-1] == "FiniteCheck.__call__"
+    assert 0.5 <= first["seconds"] < 0.5 + 0.3
+    (cleared,) = [e for e in events if e["event"] == "stall_cleared" and e["stalled_step"] == 3]
+    # The kernel's time, seen to a look (a quarter second) each end; its clock may differ from the
+    # measurement's by a boost step, hence the wide bounds.
+    assert 0.75 <= cleared["seconds"] < 3.0
+    assert events[-1]["event"] == "exit" and events[-1]["reason"] == "completed"

@@ -19,7 +19,7 @@ Why this shape (the figures are in docs/guides/performance.md, "The finite check
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -67,6 +67,11 @@ class FiniteCheck:
             Pass(group, torch.zeros(1, device=device), torch.ones(1, device=device), [], [])
             for (device, _), group in groups.items()
         ]
+        if any(check.flag.device.type != "cpu" for check in self._passes) or (
+            self.sharded and self._flag.device.type != "cpu"
+        ):
+            global _reads_a_device
+            _reads_a_device = True
         # Without the fused kernel on CPU (older torch), each sum is read on its own.
         self._read_each = [] if fused_cpu else summed
         if summed and fused_cpu:  # the sums join the CPU pass: one flag per device, not one read per sum
@@ -116,4 +121,18 @@ def _fused_check_runs_on_cpu() -> bool:
     return bool(found.item())
 
 
-activity.name(FiniteCheck.__call__, "the finite check of the gradients")
+#: Whether a FiniteCheck reads a flag on an accelerator: its host read then waits for every kernel
+#: queued before it, which a stall there should say (set when one is made; a process trains on one kind).
+_reads_a_device = False
+
+
+def _describe_check(frame: Any, inner: Any) -> tuple[str, bool]:
+    """The finite check's frame for a stall: in C called from it (its host read) on an accelerator,
+    the wait is for the device: a step stuck in a kernel (or a collective inside the model's
+    backward) is seen here by the host."""
+    if inner is None and _reads_a_device:
+        return "the finite check of the gradients, whose host read waits for the GPU's queued kernels", False
+    return "the finite check of the gradients", False
+
+
+activity.name(FiniteCheck.__call__, _describe_check)

@@ -8,6 +8,11 @@ The CPU tensors of one save are kept for the next (``BackgroundSaves.spare``), w
 those of the same shape: memory touched once, not page-faulted anew at every save (one CPU copy of
 the state stays allocated between saves). RESTORE makes them for the parameters and whatever
 optimizer state exists then (``prestage``), so that the first save finds them too.
+A CUDA tensor's copy is pinned (page-locked) host memory, written by the copy engine on a CUDA
+stream of the writer's own (``_CopyStream``): the next step's kernels run beside it, and the
+writer waits for the stream, not the device, before the loop may step. Pinning is paid once, as
+the copies are kept; pageable memory would make each save's copy go through a staging buffer at a
+fraction of the bus's speed, serialised with the step's kernels on the default stream.
 The loop waits for ``stage`` and ``submit``, after a step that left the CPU's caches cold: they
 touch as few objects as they can (see ``stage``).
 ``BackgroundSaves`` runs the writes on one thread, at most one in flight; ``settle`` reports a
@@ -81,6 +86,7 @@ class BackgroundSaves(Generic[Result]):
         #: starts only once the last one settled, so nothing reads them any more.
         self.spare: list[torch.Tensor] = []
         self.times = WriteTimes()
+        self._stream = _CopyStream()
 
     @property
     def in_flight(self) -> bool:
@@ -107,7 +113,7 @@ class BackgroundSaves(Generic[Result]):
         if not sharded and any(hasattr(p, "placements") for p in parameters):
             return
         state = [t for entry in optimizer.state.values() for t in entry.values() if isinstance(t, torch.Tensor)]
-        self.spare = [torch.zeros_like(local_part(t).detach(), device="cpu") for t in parameters + state]
+        self.spare = [host_copy(local_part(t).detach(), zeros=True) for t in parameters + state]
 
     def submit(
         self,
@@ -126,7 +132,8 @@ class BackgroundSaves(Generic[Result]):
         self._inflight_sharded = sharded
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfsm-async-save")
-        self._inflight = self._writer.submit(_copy_then, copies, staged, write, self.times)
+        stream = self._stream.ready(copies)  # on this thread: after the step whose state is saved
+        self._inflight = self._writer.submit(_copy_then, copies, staged, write, self.times, stream)
 
     def wait_staged(self) -> None:
         """Wait until the save in flight has its copies: the first in-place update of parameters or
@@ -192,17 +199,67 @@ def _background_group() -> Any:
     return dist.new_group(backend="gloo", timeout=group_timeout())
 
 
+class _CopyStream:
+    """The CUDA stream the writer copies a save's CUDA tensors on, made at the first such save.
+
+    ``ready`` runs on the loop's thread as a save is submitted: it records an event on the loop's
+    current stream, after the work that made the state being saved, for the copies to wait for.
+    Copies on the loop's own (default) stream would queue behind the next step's kernels, or they
+    behind the copies; on this stream the copy engine moves the bytes while the kernels run."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self) -> None:
+        self.stream: Any = None
+
+    def ready(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, Any] | None:
+        """(stream, event) for copies from one CUDA device into pinned memory; None otherwise (CPU
+        tensors, or several devices: plain blocking copies, as before)."""
+        if not copies or not copies[0][0].is_cuda:  # one look on CPU: a save's loop time counts
+            return None
+        devices = {source.device for source, _ in copies if source.is_cuda}
+        if len(devices) != 1 or not all(target.is_pinned() for source, target in copies if source.is_cuda):
+            return None
+        (device,) = devices
+        if self.stream is None or self.stream.device != device:
+            self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        return self.stream, event
+
+
+def host_copy(tensor: torch.Tensor, zeros: bool = False) -> torch.Tensor:
+    """A CPU tensor of ``tensor``'s layout to copy it into: pinned when ``tensor`` is on CUDA (see
+    the module's docstring), touched at once with ``zeros`` (``prestage``)."""
+    make = torch.zeros_like if zeros else torch.empty_like
+    return make(tensor, device="cpu", pin_memory=tensor.is_cuda)
+
+
 def _copy_then(
-    copies: list[tuple[torch.Tensor, torch.Tensor]], staged: Any, write: Callable[[], Any], times: WriteTimes
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
+    staged: Any,
+    write: Callable[[], Any],
+    times: WriteTimes,
+    stream: tuple[Any, Any] | None = None,
 ) -> Any:
     """On the writer thread: the copies the loop waits for before its next optimizer step, then
-    ``write()``; ``times`` measures both (a failed write's time counts too: the next may take it)."""
+    ``write()``; ``times`` measures both (a failed write's time counts too: the next may take it).
+    With ``stream`` (``_CopyStream.ready``) CUDA tensors are copied on that stream once its event
+    passed, without blocking, and the thread waits for the stream before the loop may step."""
     times.began = began = time.time()
     try:
         try:
             with torch.no_grad():  # the sources are not detached (``stage``): record no graph
-                for source, target in copies:
-                    target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
+                if stream is None:
+                    for source, target in copies:
+                        target.copy_(source)  # releases the GIL: overlaps the next step's forward/backward
+                else:
+                    side, event = stream
+                    with torch.cuda.stream(side):
+                        side.wait_event(event)  # the state as the saved step left it
+                        for source, target in copies:
+                            target.copy_(source, non_blocking=source.is_cuda)  # pinned: the copy engine
+                    side.synchronize()  # releases the GIL; the copies are in host memory after it
         finally:
             staged.release()
         return write()
@@ -269,7 +326,7 @@ class _Staging:
                     self.pool.setdefault(_layout(unused), []).append(unused)
         if target is None:
             same = self.pool.get(_layout(local)) if self.pool is not None else None
-            target = same.pop() if same else torch.empty_like(local, device="cpu")
+            target = same.pop() if same else host_copy(local)
         copies.append((local, target))
         return target if plain else _shaped_like(tensor, target)
 
