@@ -197,3 +197,51 @@ def test_a_piece_that_returns_loss_none_trains_nothing_and_the_others_keep_their
     for mine, theirs in zip(parameters(run), expected, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-7)
     torch.testing.assert_close(run.step_info["loss"][0], loss.detach(), rtol=0, atol=1e-7)
+
+
+class ScratchOnCuda(FitsUpTo):
+    """On CUDA, a forward that allocates ``per_row`` bytes of scratch per row: a real allocation
+    failure of the caching allocator once the rows outgrow the memory the test leaves it."""
+
+    per_row = 0
+
+    def forward(self, batch: Any) -> Any:
+        rows = batch["x"].shape[0]
+        scratch = torch.empty(rows * self.per_row, dtype=torch.uint8, device=self.device)
+        scratch.zero_()
+        x, y = batch["x"].to(self.device), batch["y"].to(self.device)
+        loss = torch.nn.functional.mse_loss(self.model(x), y)  # type: ignore[misc]
+        del scratch
+        self.rows_seen.append(rows)
+        return loss, {}
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_real_allocation_failure_splits_the_step_and_the_run_trains_as_one_given_smaller_batches(
+    tmp_path: Path,
+) -> None:
+    """The allocator is capped at 2 GiB (``set_per_process_memory_fraction``); a forward of 16 rows
+    takes two thirds of it, one of 32 or 64 more than all of it: the caching allocator's own
+    ``torch.OutOfMemoryError``. The run splits twice at step 1 and ends where a run given micro-batches
+    of 16 and four times the accumulation ends."""
+    device = torch.device("cuda")
+    cap = 2 * 1024**3
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(device).total_memory)
+    try:
+        ScratchOnCuda.per_row = cap // 24
+        data = batches(5)
+        split = ScratchOnCuda(data, max_steps=5, max_oom_retries=3, device=device, workspace=tmp_path / "split")
+        split.train()
+        ScratchOnCuda.per_row = 0
+        reference = ScratchOnCuda(quartered(data), max_steps=5, gradient_accumulation_steps=4, device=device)
+        reference.train()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    made = ooms(tmp_path / "split")
+    assert [(e["step"], e["rows"], e["pieces"]) for e in made] == [(1, 64, 2), (1, 32, 4)]
+    assert "out of memory" in made[0]["message"].lower()  # the allocator's message, not a planted one
+    assert set(split.rows_seen) == {16}
+    for mine, theirs in zip(parameters(split), parameters(reference), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
