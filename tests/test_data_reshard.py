@@ -77,6 +77,20 @@ def resumed(workspace: Path) -> list[dict[str, Any]]:
     return [e for e in events(workspace, 0) if e["event"] == "data_resumed"]
 
 
+def test_4_then_2_ranks_train_each_sample_of_both_epochs_once(tmp_path: Path) -> None:
+    """The fast tier's case (two launches); the slow one adds a third size, 3, and what it shows."""
+    workspace = tmp_path / "ws"
+    assert set(in_process(workspace, 4, "--preempt-at", "2").values()) == {138}
+    assert set(in_process(workspace, 2).values()) == {0}
+    assert_each_sample_once(workspace)
+    assert ledger_problem(workspace) == ""
+    assert audit.audit([workspace]).ledger[0].startswith("all ranks, world size 4 → 2: ")
+    [first] = resumed(workspace)
+    assert (first["from_world_size"], first["exact"]) == (4, True)
+    assert first["global"] == {"epoch": 0, "samples": first["from_step"] * GLOBAL}
+
+
+@pytest.mark.slow  # ~30 s: nine processes
 def test_4_then_2_then_3_ranks_train_each_sample_of_both_epochs_once(tmp_path: Path) -> None:
     workspace = tmp_path / "ws"
     assert set(in_process(workspace, 4, "--preempt-at", "2").values()) == {138}
