@@ -180,6 +180,12 @@ def main() -> None:
         default="record",
         help="on a stall: record it and keep waiting, or record it and exit 75 (requeued on SLURM)",
     )
+    parser.add_argument(
+        "--max-oom-retries",
+        type=int,
+        default=0,
+        help="halve the micro-batches up to this many times when a step runs out of device memory (0: fail)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -200,6 +206,7 @@ def main() -> None:
         loss_none_agreement=args.loss_none_agreement,
         stall_timeout=args.stall_timeout,
         stall_action=args.stall_action,
+        max_oom_retries=args.max_oom_retries,
     )
     try:
         trainer.train()  # on SIGTERM/SIGUSR1: checkpoint at a step every rank agrees on, exit 143/138

@@ -193,12 +193,14 @@ def test_a_job_with_a_time_limit_and_no_signal_ends_each_attempt_by_its_own_dead
     uninterrupted: Callable[..., subprocess.Popen[bytes]],
     submit: Callable[..., tuple[str, Path]],
 ) -> None:
-    """``--time=1``, no ``--signal``, about 2.5 minutes of work. Every attempt but the last ends by
+    """``--time=1``, no ``--signal``, about 100 s of work (1,000 steps of 0.1 s: fewer steps, so the
+    machine's load adds less to it), where an attempt trains about 40 s of its minute: at least three
+    attempts. Every attempt but the last ends by
     the trainer's own deadline before SLURM's limit (``deadline``, ``signal_agreed`` reason deadline,
     a save, ``scontrol requeue``, exit 138); the last one completes before its limit. The job ends
     COMPLETED, never TIMEOUT, with the parameters of an uninterrupted run; the audit times each
     preemption and finds the trail consistent and the run ended well."""
-    args = ("--steps", "3000", "--interval", "1000", "--step-seconds", "0.05")
+    args = ("--steps", "1000", "--interval", "1000", "--step-seconds", "0.1")
     straight = uninterrupted(*args)
     job_id, workspace = submit("1", *args)
     job = slurm_cluster.wait_state(job_id, "COMPLETED", timeout=600)  # fails at once on TIMEOUT
