@@ -141,10 +141,14 @@ def test_a_batch_that_cannot_be_split_is_named_with_the_step(tmp_path: Path) -> 
         run.train()
 
 
-@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), ("2", TypeError), (1.5, TypeError), (None, TypeError)])
+@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), ("2", TypeError), (1.5, TypeError), (True, TypeError)])
 def test_max_oom_retries_takes_a_whole_number_from_zero(value: Any, error: type[Exception]) -> None:
-    with pytest.raises(error, match="max_oom_retries"):
+    with pytest.raises(error, match=r"max_oom_retries must be an int >= 0 or None"):
         FitsUpTo([], max_steps=1, max_oom_retries=value)
+
+
+def test_max_oom_retries_none_is_off_as_zero() -> None:
+    assert FitsUpTo([], max_steps=1, max_oom_retries=None).max_oom_retries == 0
 
 
 @pytest.mark.distributed

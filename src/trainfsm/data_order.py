@@ -288,3 +288,22 @@ def derived_seed(rank0_rng: dict[str, Any], rank: int) -> int:
     digest.update(bytes(torch_state.numpy()) if torch_state is not None else b"")
     digest.update(rank.to_bytes(8, "little"))
     return int.from_bytes(digest.digest(), "little") >> 1  # a non-negative int64
+
+
+def settle(
+    loader: Any, rank: int, world: int, accumulation: int, accumulation_given: bool, global_batch: int | None
+) -> tuple[int, Layout]:
+    """BUILD's accumulation and layout: with ``global_batch_size``, the accumulation that keeps it at
+    this world size (an error when one was given that disagrees), and how this rank's micro-batches
+    map onto each epoch's order."""
+    if global_batch is not None:
+        size = batch_size(loader)
+        derived = accumulation_for(global_batch, size, world)
+        if accumulation_given and derived != accumulation:
+            raise ValueError(
+                f"global_batch_size={global_batch} on {world} rank(s) of batch_size {size} means "
+                f"gradient_accumulation_steps={derived}, but gradient_accumulation_steps={accumulation} was given: "
+                "pass one of the two."
+            )
+        accumulation = derived
+    return accumulation, layout_of(loader, rank, world, accumulation, global_batch)

@@ -169,6 +169,16 @@ class MemoryFit:
                     "model or sequence) or a device with more memory."
                 ) from None
 
+    def ran_out(self, rank: int, world: int, scaler: torch.amp.GradScaler | None) -> bool:
+        """At a non-finite step's end: whether it is every rank's ``oom`` (``shared`` and some rank
+        ran out in it). The fp16 scaler, which unscaled for nothing, is then set back as it was,
+        its scale unchanged."""
+        if not self.shared or not self.agree(rank, world):
+            return False
+        if scaler is not None and scaler.is_enabled():
+            scaler.update(new_scale=scaler.get_scale())
+        return True
+
     def agree(self, rank: int, world: int) -> list[int]:
         """At a non-finite step's end (``shared``): the ranks that ran out of memory in it, the same
         list on every rank (one host all-reduce; a routine step never comes here)."""

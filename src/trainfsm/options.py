@@ -28,6 +28,13 @@ def int_at_least(name: str, value: Any, minimum: int) -> int:
     return _int(name, value, minimum, "")
 
 
+def count(name: str, value: Any, none_is: int = 0) -> int:
+    """A whole number from ``none_is`` up (the least it means); None means ``none_is``."""
+    if value is None:
+        return none_is
+    return _int(name, value, none_is, " or None")
+
+
 def positive_int(name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> int | None:
     if value is None and allow_none:
         return None

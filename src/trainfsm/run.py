@@ -30,6 +30,7 @@ A hook's ``on_enter_<state>`` / ``on_exit_<state>`` methods are bound to the mac
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import signal
 import time
@@ -47,11 +48,14 @@ from trainfsm.collectives import failed_collective
 from trainfsm.hooks.base import BaseHook, overrides
 from trainfsm.machine import ExitReason
 from trainfsm.preemption import slurm, torchelastic
+from trainfsm.preemption.deadline import Deadline
 from trainfsm.preemption.policy import Preemption
+from trainfsm.step import retries_used_up
 from trainfsm.trail import files
 from trainfsm.trail.files import last_event
 from trainfsm.trail.schema import FORMAT_VERSION, new_run_id
 from trainfsm.trail.writer import FLUSH_SECONDS, EventLog
+from trainfsm.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from transitions import Machine
@@ -62,7 +66,6 @@ if TYPE_CHECKING:
     from trainfsm.step import Stepper
     from trainfsm.step_info import StepInfo
     from trainfsm.trainer import BaseTrainer
-    from trainfsm.watchdog import Watchdog
 
 
 #: Every method of the hook contract a hook may define: ``BaseHook``'s and the state methods.
@@ -234,6 +237,41 @@ class Run:
             self.fit.new_step()
         self.step_start = time.perf_counter()
 
+    def non_finite_retry(self, step: int, limit: int, log: Any) -> None:
+        """RETRY after non-finite gradients: counted, or the run fails past ``limit``; the step
+        runs again on fresh micro-batches (none kept for it)."""
+        if self.fit is not None:
+            self.fit.new_step()
+        if self.retries >= limit:
+            raise retries_used_up(step, self.retries, limit)
+        self.retries += 1
+        log.warning("non_finite", what="gradients", retry=self.retries, max=limit, scale=None)
+
+    def close(self, preempted: bool) -> None:
+        """``train()`` is leaving: the watchdog stopped (at EXIT already, unless EXIT was never
+        reached), a preempted run's wait, the signal report, the trail closed last."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        try:
+            if preempted:
+                # With the trail open: a signal that cuts exit_wait short (SLURM's kill) is
+                # recorded after ``exit``, as is one that came during EXIT's last lines.
+                self.preemption.wait_before_exit()
+            with contextlib.suppress(Exception):  # a record at most: never the run's outcome
+                self.preemption.report()
+        finally:
+            self.event_log.close()
+
+    def step_figures(self, info: StepInfo) -> None:
+        """The applied step's figures in trainloop's layout: per micro-batch lists (detached losses,
+        records, data times; no averaging here, so no kernel and no sync), the step's time and its
+        retry count."""
+        info["loss"] = self.losses
+        info["records"] = self.records
+        info["data_time"] = self.data_times
+        info["step_time"] = time.perf_counter() - self.step_start
+        info["non_finite_grad_retry_count"] = info["non_finite_grad_retries"] = self.retries
+
     def bind_hooks(self, trainer: BaseTrainer, hooks: list[BaseHook], finish_exit: Callable[[], None]) -> None:
         """The built hooks' dispatcher, their state methods bound, the machine compiled again, and
         the triggers by name (the step's end picks one by name: ``fsm.step_end_trigger``)."""
@@ -257,6 +295,9 @@ class Run:
     def record_failure(self, trainer: BaseTrainer, exc: BaseException) -> None:
         """``exc`` is leaving ``train()``: record it, and take the machine to EXIT by ``fail``
         (unless it came from EXIT itself), with the exit status the process will end with."""
+        if isinstance(exc, torch.OutOfMemoryError) and not trainer.max_oom_retries:
+            hint = "trainfsm: BaseTrainer(max_oom_retries=N) would run the step again in smaller micro-batches"
+            exc.add_note(hint)  # type: ignore[attr-defined]
         failed = failed_collective(exc, trainer.rank, trainer.world_size, trainer.step, trainer.state, self.logs)
         if failed is not None:  # most likely another rank's failure: the note says where to look
             trainer.events.error("collective_failed", **failed)
@@ -346,3 +387,26 @@ def _version() -> str:
     from trainfsm import __version__
 
     return __version__
+
+
+def start_watchdog(trainer: BaseTrainer, progress: fsm.Progress, run: Run) -> Watchdog | None:
+    """The watchdog thread of this ``train()``, started: stalls, and the job's end (rank 0 under
+    SLURM with a time limit); None when neither is watched."""
+    job_end = run.preemption.follow_job_end(for_deadline=trainer.job_end_margin is not None)
+    deadline = Deadline.for_job(job_end, trainer.job_end_margin, trainer.world_size)
+    if trainer.stall_timeout is None and deadline is None:
+        return None
+    watchdog = Watchdog(
+        timeout=trainer.stall_timeout,
+        action=trainer.stall_action,
+        progress=progress,
+        trainer=trainer,
+        event_log=run.event_log,
+        micro=lambda: run.micro,
+        requeue=run.preemption.requeue_after_stall,
+        deadline=deadline,
+        on_deadline=run.preemption.deadline_reached,
+        writes=lambda: run.hooks.background_writes,
+    )
+    watchdog.start()
+    return watchdog

@@ -12,7 +12,6 @@ of a step in ``trainfsm.step.Stepper``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from time import perf_counter
@@ -29,11 +28,10 @@ from trainfsm.data_cursor import EXHAUSTED, DataCursor
 from trainfsm.hooks.base import BaseHook
 from trainfsm.machine import ExitReason
 from trainfsm.oom import MemoryFit, oom_shared
-from trainfsm.preemption.deadline import Deadline
 from trainfsm.preemption.policy import ExitPolicy, Preemption, exit_policy
 from trainfsm.preemption.signals import hold_interrupt, release_interrupt
-from trainfsm.run import Hooks, Run, open_trail
-from trainfsm.step import Stepper, retries_used_up
+from trainfsm.run import Hooks, Run, open_trail, start_watchdog
+from trainfsm.step import Stepper
 from trainfsm.step_info import StepInfo
 from trainfsm.torch_workarounds import (
     import_collectives_before_any_group,
@@ -41,12 +39,10 @@ from trainfsm.torch_workarounds import (
     warn_if_group_kept_alive,
 )
 from trainfsm.utils import is_distributed_wrapper, unwrap
-from trainfsm.watchdog import Watchdog
 
 if TYPE_CHECKING:
     import signal
 
-    from trainfsm.machine import Progress
     from trainfsm.preemption.slurm import SlurmJob
 
 import_collectives_before_any_group()  # a script imports us before it creates its group (see there)
@@ -166,17 +162,14 @@ class BaseTrainer(fsm.Triggers):
         stall_timeout: float | str | None = "auto",
         stall_action: str = "record",
         job_end_margin: float | str | None = "auto",
-        max_oom_retries: int = 0,
+        max_oom_retries: int | None = 0,
     ) -> None:
         self.max_steps: int = check.positive_int("max_steps", max_steps)  # type: ignore[assignment]
         self.grad_clip = check.grad_clip(grad_clip)
-        self.max_non_finite_grad_retries: int = (
-            check.positive_int("max_non_finite_grad_retries", max_non_finite_grad_retries, allow_none=True, minimum=0)
-            or 0
-        )
+        self.max_non_finite_grad_retries: int = check.count("max_non_finite_grad_retries", max_non_finite_grad_retries)
         self.mixed_precision = check.mixed_precision(mixed_precision)
-        self.gradient_accumulation_steps: int = (
-            check.positive_int("gradient_accumulation_steps", gradient_accumulation_steps, allow_none=True) or 1
+        self.gradient_accumulation_steps: int = check.count(
+            "gradient_accumulation_steps", gradient_accumulation_steps, 1
         )
         self.global_batch_size = check.positive_int("global_batch_size", global_batch_size, allow_none=True)
         self._accumulation_given = gradient_accumulation_steps is not None
@@ -191,7 +184,7 @@ class BaseTrainer(fsm.Triggers):
         self.stall_timeout = check.stall_timeout(stall_timeout)
         self.stall_action = check.stall_action(stall_action)
         self.job_end_margin = check.job_end_margin(job_end_margin)
-        self.max_oom_retries: int = check.positive_int("max_oom_retries", max_oom_retries, minimum=0)  # type: ignore[assignment]
+        self.max_oom_retries = check.count("max_oom_retries", max_oom_retries)
         #: Micro-batches this rank skipped for loss=None in this launch (with loss_none_agreement,
         #: also those another rank returned None for): checkpoints compare the ranks' counts.
         self.loss_none_skips = 0
@@ -298,10 +291,10 @@ class BaseTrainer(fsm.Triggers):
             # The trainer's own bookkeeping is bound (and the machine compiled) before any user code
             # runs, so that a failure in BUILD is recorded like any other: transition, exception, exit.
             fsm.bind(machine, "enter", fsm.STEP, self._begin_step)
-            fsm.bind(machine, "enter", fsm.EXIT, self._enter_exit)
+            fsm.bind(machine, "enter", fsm.EXIT, lambda: run.hooks.after_train(run.failed))  # the built hooks
             fsm.bind(machine, "enter", fsm.EXIT, self._finish_exit)
             machine.compile_events(self, event_log.transition_recorder)
-            run.watchdog = self._watchdog(machine.progress, run)
+            run.watchdog = start_watchdog(self, machine.progress, run)
         except BaseException:
             release_interrupt(held)
             raise
@@ -309,8 +302,8 @@ class BaseTrainer(fsm.Triggers):
         work: dict[str, Callable[[], Callable[[], bool] | None]] = {
             fsm.BUILD: self._build,
             fsm.RESTORE: self._restore,
-            fsm.STEP: self._step,
-            fsm.ACCUMULATE: self._accumulate if self.max_oom_retries == 0 else self._accumulate_fitting,
+            fsm.STEP: lambda: self.micro,  # STEP's work is its entry's (``_begin_step``): on to a micro-batch
+            fsm.ACCUMULATE: self._accumulate,
             fsm.RETRY: self._retry,
             fsm.CHECKPOINT: self._checkpoint,
             fsm.EXIT: lambda: None,
@@ -325,44 +318,11 @@ class BaseTrainer(fsm.Triggers):
             run.record_failure(self, exc)
             raise
         finally:
-            if run.watchdog is not None:  # stopped at EXIT already, unless EXIT was never reached
-                run.watchdog.stop()
-            try:
-                if self.exit_reason is ExitReason.PREEMPTED:
-                    # With the trail open: a signal that cuts exit_wait short (SLURM's kill) is
-                    # recorded after ``exit``, as is one that came during EXIT's last lines.
-                    preemption.wait_before_exit()
-                with contextlib.suppress(Exception):  # a record at most: never the run's outcome
-                    preemption.report()
-            finally:
-                event_log.close()
+            run.close(preempted=self.exit_reason is ExitReason.PREEMPTED)
         if self.exit_reason is ExitReason.PREEMPTED:
             raise SystemExit(self.exit_code)
         if run.exit_errors:  # EXIT's work failed after training completed: recorded, now raised
             raise run.exit_errors[0]
-
-    def _watchdog(self, progress: Progress, run: Run) -> Watchdog | None:
-        """The watchdog thread of this ``train()``, started: stalls, and the job's end (rank 0 under
-        SLURM with a time limit); None when neither is watched."""
-        job_end = run.preemption.follow_job_end(for_deadline=self.job_end_margin is not None)
-        deadline = Deadline.for_job(job_end, self.job_end_margin, self.world_size)
-        if self.stall_timeout is None and deadline is None:
-            return None
-        event_log = run.event_log
-        watchdog = Watchdog(
-            timeout=self.stall_timeout,
-            action=self.stall_action,
-            progress=progress,
-            trainer=self,
-            event_log=event_log,
-            micro=lambda: run.micro,
-            requeue=run.preemption.requeue_after_stall,
-            deadline=deadline,
-            on_deadline=run.preemption.deadline_reached,
-            writes=lambda: run.hooks.background_writes,
-        )
-        watchdog.start()
-        return watchdog
 
     # ---------------------------------------------------------------- states
     def _build(self) -> Callable[[], bool]:
@@ -380,7 +340,11 @@ class BaseTrainer(fsm.Triggers):
         self.hooks = list(check.built("build_hooks", self.build_hooks(), (list, tuple)))
         for hook in self.hooks:
             check.built("build_hooks", hook, BaseHook)
-        self._data.attach(self.data_loader, self.max_epochs, self.events, self._data_layout())
+        self.gradient_accumulation_steps, layout = data_order.settle(
+            self.data_loader, self.rank, self.world_size, self.gradient_accumulation_steps, self._accumulation_given,
+            self.global_batch_size,
+        )  # fmt: skip
+        self._data.attach(self.data_loader, self.max_epochs, self.events, layout)
         run.warn_loss_none = is_distributed_wrapper(self.model)
         run.buckets = ddp_buckets.watch(self.model, self.world_size, self.events)
         run.stepper = Stepper.for_trainer(self, run.agreement)
@@ -420,44 +384,38 @@ class BaseTrainer(fsm.Triggers):
         run.preemption.step_began()
         run.hooks.before_step()
 
-    def _step(self) -> Callable[[], bool]:
-        return self.micro
-
     def _accumulate(self) -> Callable[[], bool]:
+        """One micro-batch. With ``max_oom_retries`` (``run.fit``) the step's micro-batches are kept
+        (a retry runs them again) and split as the run's out-of-memory errors made them; such an
+        error leaves by ``oom`` for RETRY once its ``except`` has dropped the failed graph."""
         run: Run = self._run  # type: ignore[assignment]
+        fit = run.fit
         t0 = perf_counter()
-        batch = self._data.next()
+        batch = self._data.next() if fit is None else fit.next(self._data.next)
         if batch is EXHAUSTED:
             return self._data_ran_out(run)
         run.data_times.append(perf_counter() - t0)
         last = run.micro + 1 == self.gradient_accumulation_steps
-        try:
-            loss, records = run.stepper.micro(self.forward, batch, last)  # type: ignore[union-attr]
-        except torch.OutOfMemoryError as exc:
-            note = "trainfsm: BaseTrainer(max_oom_retries=N) would run the step again in smaller micro-batches"
-            exc.add_note(note)  # type: ignore[attr-defined]
-            raise
-        return self._took(run, loss, records, last)
-
-    def _accumulate_fitting(self) -> Callable[[], bool]:
-        """ACCUMULATE with ``max_oom_retries``: the step's micro-batches are kept (a retry runs them
-        again), split as the run's out-of-memory errors have made them; such an error leaves by
-        ``oom`` for RETRY once its ``except`` has dropped the failed graph."""
-        run: Run = self._run  # type: ignore[assignment]
-        fit: MemoryFit = run.fit  # type: ignore[assignment]
-        t0 = perf_counter()
-        batch = fit.next(self._data.next)
-        if batch is EXHAUSTED:
-            return self._data_ran_out(run)
-        run.data_times.append(perf_counter() - t0)
-        last = run.micro + 1 == self.gradient_accumulation_steps
-        if fit.failure is None:
+        if fit is None or fit.failure is None:
             try:
-                loss, records = fit.micro(run.stepper, self.forward, batch, last)  # type: ignore[arg-type]
-            except torch.OutOfMemoryError as exc:  # the failed graph goes with ``exc`` as this ends
+                if fit is None:
+                    loss, records = run.stepper.micro(self.forward, batch, last)  # type: ignore[union-attr]
+                else:
+                    loss, records = fit.micro(run.stepper, self.forward, batch, last)  # type: ignore[arg-type]
+            except torch.OutOfMemoryError as exc:
+                if fit is None:
+                    raise
                 fit.caught(exc, run.micro, batch)
             else:  # not under the ``try``: the step's end (optimizer step) is never retried
-                return self._took(run, loss, records, last)
+                if loss is None:  # on this rank; with loss_none_agreement, on any: then every rank skips it
+                    self.loss_none_skips += 1  # this rank skipped it, whichever rank returned None
+                    ranks = loss_none_ranks(run.agreement, self.rank, run.warn_loss_none)
+                    self.events.debug("loss_none", micro=run.micro, ranks=ranks)
+                    return self.micro
+                run.micro += 1
+                run.losses.append(loss)
+                run.records.append(records)
+                return self._end_step(run) if last else self.micro
             if not fit.shared:
                 return self.oom
         # Out of memory in this step, with DDP over several ranks: on to the step's end with the others.
@@ -465,27 +423,12 @@ class BaseTrainer(fsm.Triggers):
         run.micro += 1
         return self._end_step(run) if last else self.micro
 
-    def _took(self, run: Run, loss: torch.Tensor | None, records: Any, last: bool) -> Callable[[], bool]:
-        """A micro-batch ran: count it (or its loss=None skip); end the step on the last."""
-        if loss is None:  # on this rank; with loss_none_agreement, on any: then every rank skips it
-            self.loss_none_skips += 1  # this rank skipped it, whichever rank returned None
-            ranks = loss_none_ranks(run.agreement, self.rank, run.warn_loss_none)
-            self.events.debug("loss_none", micro=run.micro, ranks=ranks)
-            return self.micro
-        run.micro += 1
-        run.losses.append(loss)
-        run.records.append(records)
-        return self._end_step(run) if last else self.micro
-
     def _end_step(self, run: Run) -> Callable[[], bool]:
         """The step's last micro-batch ran: check, step the optimizer, fill ``step_info``, decide."""
         stepper: Stepper = run.stepper  # type: ignore[assignment]
         finite, grad_norm = stepper.check_and_clip()
         if not finite:
-            fit = run.fit
-            if fit is not None and fit.shared and fit.agree(self.rank, self.world_size):
-                if stepper.scaler_enabled:  # unscaled for nothing: back to before, scale unchanged
-                    self.grad_scaler.update(new_scale=self.grad_scaler.get_scale())  # type: ignore[union-attr]
+            if run.fit is not None and run.fit.ran_out(self.rank, self.world_size, self.grad_scaler):
                 return self.oom
             if not stepper.scaler_enabled:
                 return self.non_finite
@@ -497,13 +440,7 @@ class BaseTrainer(fsm.Triggers):
         hooks = run.hooks
         hooks.before_optimizer_step()
         stepper.apply(finite)
-        # trainloop's layout: per micro-batch lists (detached losses, records, data times; no
-        # averaging here, so no kernel and no sync), the step's time and its retry count.
-        info["loss"] = run.losses
-        info["records"] = run.records
-        info["data_time"] = run.data_times
-        info["step_time"] = perf_counter() - run.step_start
-        info["non_finite_grad_retry_count"] = info["non_finite_grad_retries"] = run.retries
+        run.step_figures(info)
         # The decision point: evaluations first, then the questions; a signal that arrives during
         # them is read after and honoured at this step (with one rank).
         stop = False
@@ -544,19 +481,10 @@ class BaseTrainer(fsm.Triggers):
     def _retry(self) -> Callable[[], bool]:
         run: Run = self._run  # type: ignore[assignment]
         run.stepper.discard()  # type: ignore[union-attr]
-        fit = run.fit
-        if fit is not None:
-            if fit.failure is not None:  # out of memory: the same micro-batches, in smaller pieces
-                fit.retry(self.step, self.events, self.device)
-                run.micro = 0
-                run.losses, run.records = [], []
-                return self.retry
-            fit.new_step()  # non-finite: the step runs again on fresh micro-batches
-        limit = self.max_non_finite_grad_retries
-        if run.retries >= limit:
-            raise retries_used_up(self.step, run.retries, limit)
-        run.retries += 1
-        self.events.warning("non_finite", what="gradients", retry=run.retries, max=limit, scale=None)
+        if run.fit is not None and run.fit.failure is not None:  # out of memory: the same micro-batches, smaller
+            run.fit.retry(self.step, self.events, self.device)
+        else:  # non-finite: fresh micro-batches
+            run.non_finite_retry(self.step, self.max_non_finite_grad_retries, self.events)
         run.micro = 0
         run.losses, run.records = [], []  # the retried micro-batches' data times stay: spent in this step
         return self.retry
@@ -570,10 +498,6 @@ class BaseTrainer(fsm.Triggers):
         else:  # leaving after a save: the batch a resume must draw first, drawn now and dropped
             self._data.fingerprint_at_exit(self.step)
         return run.triggers[trigger]
-
-    def _enter_exit(self) -> None:
-        run: Run = self._run  # type: ignore[assignment]
-        run.hooks.after_train(run.failed)
 
     def _finish_exit(self) -> None:
         run: Run = self._run  # type: ignore[assignment]
@@ -589,22 +513,6 @@ class BaseTrainer(fsm.Triggers):
         self.events.info("exit", reason=self.exit_reason, code=self.exit_code)
 
     # ---------------------------------------------------------------- data
-    def _data_layout(self) -> data_order.Layout:
-        """How this rank's micro-batches map onto each epoch's order; with ``global_batch_size``,
-        the accumulation that keeps it at this world size (BUILD, before the stepper exists)."""
-        loader, world, given = self.data_loader, self.world_size, self.gradient_accumulation_steps
-        if self.global_batch_size is not None:
-            size = data_order.batch_size(loader)
-            derived = data_order.accumulation_for(self.global_batch_size, size, world)
-            if self._accumulation_given and derived != given:
-                raise ValueError(
-                    f"global_batch_size={self.global_batch_size} on {world} rank(s) of batch_size "
-                    f"{size} means gradient_accumulation_steps={derived}, but "
-                    f"gradient_accumulation_steps={given} was given: pass one of the two."
-                )
-            self.gradient_accumulation_steps = derived
-        return data_order.layout_of(loader, self.rank, world, self.gradient_accumulation_steps, self.global_batch_size)
-
     @property
     def epoch(self) -> int:
         """The data epoch (0-based); saved in checkpoints with ``step``."""
