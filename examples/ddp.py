@@ -23,6 +23,9 @@ which saves its own position; ``--workers N`` loads with N worker processes. Wit
 ``DataLoader`` a resume skips the used indices at the sampler (``num_workers=0``) or replays the
 used batches (workers): see docs/guides/data-resume.md.
 
+``--step-seconds S`` sleeps S seconds in every forward: slow steps to signal, freeze
+(``kill -STOP``) or kill a rank by hand, as docs/guides/audit-trail.md does to show a hang.
+
 ``--stall-timeout`` and ``--stall-action`` set the stall watchdog (``stall_timeout``,
 ``stall_action``): a rank that makes no transition for longer than its budget writes a ``stall``
 event naming where it is and what it waits in (a frozen peer leaves the others waiting in a
@@ -145,7 +148,13 @@ def stall_timeout(text: str) -> float | str | None:
 
 def main() -> None:
     parser = arguments(__doc__, "runs/ddp")
-    parser.add_argument("--step-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.0,
+        help="sleep this long in every forward (default 0): slow steps that leave time to signal, freeze "
+        "(kill -STOP) or kill a rank by hand, e.g. to reproduce a hang or a preemption",
+    )
     parser.add_argument(
         "--loss-none-agreement", action="store_true", help="ranks agree on loss=None before every backward"
     )

@@ -67,6 +67,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--interval", type=int, default=20)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step, to make room for signals")
+    parser.add_argument(
+        "--stall-action",
+        choices=("record", "exit"),
+        default="record",
+        help="on a stall (no progress past the watchdog's budget): record it and keep waiting, or record it, "
+        "requeue the SLURM job and exit 75",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     trainer = RegressionTrainer(
@@ -75,6 +82,7 @@ def main() -> None:
         max_steps=args.steps,
         workspace=args.workspace,
         device="cpu",
+        stall_action=args.stall_action,
     )
     trainer.train()  # on a signal: checkpoint, requeue, SystemExit(128 + signal)
     torch.save({k: v.detach() for k, v in trainer.model.state_dict().items()}, args.workspace / "final.pt")  # type: ignore[union-attr]

@@ -37,56 +37,72 @@ if TYPE_CHECKING:
 
 
 class CheckpointingHook(BaseHook):
-    """Save every ``interval`` steps (and at ``keep_interval`` / ``keep_steps`` and at the end),
-    keep the newest ``keep_previous + 1`` plus every kept one, and resume from ``load``.
+    """Save every ``interval`` steps (and at the end), keep the newest ``keep_previous + 1`` plus
+    every kept one, resume from ``load``, and on an exit signal finish the step, checkpoint and exit.
 
-    ``exit_signals`` / ``exit_code`` / ``exit_wait``: on one of these signals, finish the current
-    optimizer step, checkpoint, and exit with ``128 + signal`` (or ``exit_code``) after ``exit_wait``
-    seconds. By default (None) SIGTERM and SIGUSR1, what schedulers send before a kill: a run is
-    preemption-safe without asking (``trainloop``'s hook handles none by default); ``[]`` handles none.
-    ``requeue`` (``"auto"``: inside a SLURM batch job) puts the SLURM job back in the queue once
-    the checkpoint is durable, at most ``max_requeues`` times (counted by SLURM_RESTART_COUNT).
-    ``data_resume`` says how the data iterator gets back to where it was (see ``trainfsm.data_state``).
-    ``data_reshard`` says what a resume on another number of ranks does when it cannot continue
-    the data with each sample trained once (``trainfsm.data_order``: it can for a ``DataLoader``
-    over a ``DistributedSampler`` whose global position divides by the new size): ``"exact"``
-    (default) stops in RESTORE with the reason; ``"approximate"`` goes on (from the position
-    rounded down, or each new rank from old rank ``rank mod old size``'s own) and the trail's
-    ``data_resumed`` records why it is not exact.
-    ``async_save`` stages the state to CPU memory and writes it on a background thread while
-    training goes on: at most one save in flight, a failure raises at the next step or at EXIT, and
-    EXIT waits until the last save is durable (the job's end under SLURM plans for that wait, with
-    the writes' times as the writer thread measured them). The CPU copy is kept from one save to
-    the next, which copies into it again (one copy of the state stays in host memory from the first
-    save on).
+    Arguments:
 
-    ``sharded`` says how a model state split over ranks (FSDP2 ``fully_shard`` with the default
-    ``state_dict_options``) is saved: ``"auto"`` (default) writes a sharded checkpoint exactly then,
-    and a full one from rank 0 otherwise; ``True`` always writes sharded checkpoints; ``False``
-    always writes from rank 0 and refuses a sharded state. In a sharded checkpoint every rank
-    writes its own shards of the model and optimizer with ``torch.distributed.checkpoint`` into the
-    one temporary directory rank 0 made; the checkpoint is complete (manifest, rename, ``latest``)
-    only once every rank's files are durable, so the ranks must share one filesystem. Loading
-    follows the checkpoint, whatever ``sharded`` says; a sharded one loads on any world size (DCP
-    reshards). With ``async_save`` every rank copies its shards to CPU memory and writes them on its
-    background thread, over a gloo process group the hook makes for that in RESTORE (so a
-    sharded ``async_save`` needs every rank to save at the same steps, as it does anyway); a
-    failed sharded save raises on every rank at the next checkpoint or at EXIT.
-
-    ``checksum``: what the manifest lists for every file (one sum per file), ``"xxh3_128"`` (default: fast;
-    it guards against torn writes, bit rot and truncation, which is what a checksum stored beside the
-    data can do) or ``"sha256"``. Loading verifies with whichever one a checkpoint's manifest names.
-
-    ``direct_io``: how checkpoint files reach the disk. ``"auto"`` (default) measures both ways on
-    the checkpoint's file system and uses the faster, per file by its size: a probe of 128 MiB in
-    RESTORE decides a file of a size not saved yet, the rates of saved files of its size the later
-    ones (a file tries the other way when its size's rate is below that way's probe), re-checked
-    every ten minutes. ``False`` forces the page cache, each 4 MiB's
-    writeback started as soon as it is written and the pages dropped after the fsync; ``True``
-    forces ``O_DIRECT`` (past the page cache). Where the file system refuses ``O_DIRECT`` the files go
-    through the page cache. ``checkpoint_store_ready`` and ``checkpoint_saved`` record the choice,
-    why, and the measured rates (see ``trainfsm.checkpoint.writemode``; ``benchmarks/checkpoint.py``
-    measures both ways).
+    - ``interval`` (required): save after every ``interval``-th optimizer step, and at the run's
+      last step (completed, stopped or preempted).
+    - ``keep_previous`` (default 0): how many checkpoints to keep besides the newest; older ones
+      are pruned after each save (their large files written over by the next save).
+    - ``keep_interval`` (default 0: none): also keep, never pruned, every checkpoint whose step is a
+      multiple of this.
+    - ``keep_steps`` (default None: none): also keep the checkpoints of these steps (each is saved
+      at that step even off the interval).
+    - ``path`` (default ``"checkpoints"``): the checkpoint directory. A relative path is under the
+      trainer's ``workspace`` (``WORKSPACE/checkpoints``; one that already starts with the
+      workspace is taken as it is); an absolute path is used as it is. A relative path with no
+      workspace is an error.
+    - ``load`` (default ``"latest"``): what RESTORE loads. ``"latest"``: the newest complete
+      checkpoint under ``path`` that verifies (trainfsm's or trainloop's; a corrupt one is skipped
+      with a ``checkpoint_skipped`` event), or a fresh start when there is none: the setting for a
+      script that is requeued. A name or path (``"1000"``, ``"best"``, relative names first under
+      ``path``): that checkpoint, which must exist and verify; newer checkpoints are then abandoned
+      once the run saves. None: start from step 0 and load nothing, even where checkpoints exist
+      (they are abandoned, never pruned, once the run saves).
+    - ``exit_signals`` (default None: SIGTERM and SIGUSR1, what schedulers send before a kill; ``[]``:
+      none): the signals that end the run by checkpointing. The current optimizer step finishes,
+      the ranks agree on a step, the checkpoint is saved, then the process exits. trainloop's hook
+      handles none by default; this one makes a run preemption-safe without asking.
+    - ``exit_code`` (default ``"128+signal"``: 138 for SIGUSR1, 143 for SIGTERM): the status of
+      that exit, or an int.
+    - ``exit_wait`` (default 0.0): seconds (or a ``timedelta``) to wait after the checkpoint before
+      exiting.
+    - ``data_resume`` (default ``"auto"``): how the data iterator gets back to where it was:
+      ``"state"`` (the loader's ``state_dict()``), ``"sampler"`` (a map-style ``DataLoader``: the used
+      indices are skipped), ``"skip"`` (the used batches are drawn again and dropped), ``"none"`` (a
+      fresh iterator), or ``"auto"``, the best of these the loader allows (``trainfsm.data_state``).
+    - ``async_save`` (default False): stage the state to CPU memory and write it on a background
+      thread while training goes on: at most one save in flight, a failure raises at the next step
+      or at EXIT, and EXIT waits until the last save is durable. The CPU copy is kept from one save
+      to the next (one copy of the state stays in host memory from the first save on).
+    - ``requeue`` (default ``"auto"``: inside a SLURM batch job): after an exit signal's checkpoint
+      is durable, rank 0 runs ``scontrol requeue`` so the job runs again and resumes; False never.
+    - ``max_requeues`` (default None: no cap): requeue only while ``SLURM_RESTART_COUNT`` is below it.
+    - ``sharded`` (default ``"auto"``): how a model state split over ranks (FSDP2 ``fully_shard``
+      with the default ``state_dict_options``) is saved. ``"auto"`` writes a sharded checkpoint
+      exactly then and a full one from rank 0 otherwise; True always sharded; False always from
+      rank 0, refusing a sharded state. In a sharded checkpoint every rank writes its own shards
+      with ``torch.distributed.checkpoint`` into one directory, complete only once every rank's
+      files are durable, so the ranks must share one file system; it loads on any world size.
+      A sharded ``async_save`` writes over a gloo group the hook makes in RESTORE. Loading follows
+      the checkpoint, whatever ``sharded`` says.
+    - ``direct_io`` (default ``"auto"``): how files reach the disk. ``"auto"`` measures both ways on
+      the checkpoint's file system (a probe of 32 MiB files in RESTORE, then the saves' own rates
+      per file size, re-checked every ten minutes) and uses the faster; False forces the page
+      cache, True ``O_DIRECT``. Where the file system refuses ``O_DIRECT`` the files go through the
+      page cache. ``checkpoint_saved`` records the choice and the rates
+      (``trainfsm.checkpoint.writemode``).
+    - ``checksum`` (default ``"xxh3_128"``: fast; it guards against torn writes, bit rot and
+      truncation) or ``"sha256"``: the sum the manifest lists for every file. Loading verifies with
+      whichever one a checkpoint's manifest names.
+    - ``data_reshard`` (default ``"exact"``): what a resume on another number of ranks does when it
+      cannot continue the data with each sample trained once (it can for a ``DataLoader`` over a
+      ``DistributedSampler`` whose global position divides by the new size): ``"exact"`` stops in
+      RESTORE with the reason; ``"approximate"`` goes on (from the position rounded down, or each
+      new rank from old rank ``rank mod old size``'s own) and the trail's ``data_resumed`` says why
+      it is not exact (``trainfsm.data_order``).
 
     Other hooks keep pointers beside ``latest`` (``EarlyStoppingHook``: ``best``) through
     ``point_when_saved`` and ``point_to_loaded``; pruning never deletes a pointer's target.

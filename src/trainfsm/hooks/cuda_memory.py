@@ -36,7 +36,9 @@ class CudaMemoryUnavailableWarning(UserWarning):
 
 
 class CudaMaxMemoryHook(BaseHook):
-    """Put the step's peak allocated CUDA memory in GiB into ``trainer.step_info["max_memory"]``."""
+    """Put the step's peak allocated CUDA memory in GiB into ``trainer.step_info["max_memory"]`` (also
+    ``"cuda_max_memory"``, trainloop 0.11's key). No arguments.
+    """
 
     def __init__(self) -> None:
         self.device: torch.device | None = None  # set in on_before_train when the trainer is on CUDA

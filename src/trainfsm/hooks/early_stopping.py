@@ -40,8 +40,20 @@ MODES: Final = ("min", "max")
 
 
 class EarlyStoppingHook(BaseHook):
-    """Stop after ``patience`` evaluations of ``monitor`` without an improvement of more than
-    ``min_delta`` (``mode="min"``: lower is better; ``"max"``: higher is better)."""
+    """Stop after ``patience`` evaluations of ``monitor`` without an improvement, and keep a ``best``
+    checkpoint pointer (with a ``CheckpointingHook``).
+
+    Arguments:
+
+    - ``monitor`` (default ``"val/loss"``): the value to watch, as ``trainer.log`` receives it, nested
+      keys joined by ``/`` (``ValidationHook``'s ``loss`` under ``val``); each log call that carries
+      it is one evaluation. It must be the same on every rank.
+    - ``mode`` (default ``"min"``): ``"min"``, lower is better; ``"max"``, higher is better.
+    - ``patience`` (default 3): evaluations without an improvement before the run stops (exit
+      reason ``stopped``, after a checkpoint).
+    - ``min_delta`` (default 0.0): how much better than the best so far a value must be to count as
+      an improvement (NaN and infinities never do).
+    """
 
     def __init__(self, monitor: str = "val/loss", mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
         if not isinstance(monitor, str) or not monitor or "" in monitor.split("/"):

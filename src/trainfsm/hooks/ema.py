@@ -43,11 +43,15 @@ if TYPE_CHECKING:
 
 
 class EmaHook(BaseHook):
-    """Keep ``hook.ema_model``, an ``AveragedModel`` with decay ``decay`` per optimizer step.
+    """Keep ``hook.ema_model``, an ``AveragedModel`` of the model, updated after every optimizer step.
 
-    ``use_buffers=True`` averages buffers (BatchNorm statistics) as well; with ``False`` each update
-    copies the model's buffers as they are (``AveragedModel``'s behaviour).
-    ``name`` is the key of its state in the checkpoint (two EMA hooks need two names).
+    Arguments:
+
+    - ``decay`` (default 0.9999): the exponential moving average's decay per optimizer step.
+    - ``use_buffers`` (default False): True averages buffers (BatchNorm statistics) as well; False
+      copies the model's buffers as they are at each update (``AveragedModel``'s behaviour).
+    - ``name`` (default ``"ema"``): the key of its state in the checkpoint (two EMA hooks need two
+      names).
     """
 
     def __init__(self, decay: float = 0.9999, use_buffers: bool = False, name: str = "ema") -> None:

@@ -160,12 +160,15 @@ def save_image(image: PILImage.Image, path: Path, fmt: str) -> None:
 class ImageFileLoggerHook(BaseHook):
     """Write what ``trainer.log_images`` receives to ``workspace/visualizations/<step>/<key>.<format>``
     on rank 0. A nested dict, like a ``/`` in a key, becomes subdirectories: ``{"val": {"sample":
-    image}}`` at step 20 is ``visualizations/20/val/sample.png``.
+    image}}`` at step 20 is ``visualizations/20/val/sample.png``. Values are PIL images, torch
+    tensors or numpy arrays (see ``to_pil``). A step logged again (a resumed run) overwrites its
+    files.
 
-    ``image_format``: a file extension (``"png"``, ``"jpg"``, ``"jpeg"``, ``"bmp"``, ``"gif"``,
-    ``"tif"``, ``"tiff"``, ``"webp"``) or a callable that takes the ``/``-joined key and returns one.
-    Values are PIL images, torch tensors or numpy arrays (see ``to_pil``). A step logged again (a
-    resumed run) overwrites its files.
+    Arguments:
+
+    - ``image_format`` (default ``"png"``): a file extension (``"png"``, ``"jpg"``, ``"jpeg"``,
+      ``"bmp"``, ``"gif"``, ``"tif"``, ``"tiff"``, ``"webp"``) or a callable that takes the
+      ``/``-joined key and returns one.
     """
 
     def __init__(self, image_format: str | Callable[[str], str] = "png") -> None:

@@ -38,10 +38,15 @@ if TYPE_CHECKING:
 
 
 class LoggingHook(StatsHook):
-    """Average the step stats and records over ``interval`` steps and pass them to ``trainer.log``.
+    """Average the step stats and records over ``interval`` steps and pass them to ``trainer.log``
+    (trainloop 0.5.x's hook; a ``StatsHook``). The last, partial interval is logged too when a run
+    stops or is preempted.
 
-    ``sync``: average across ranks first (one collective per interval; no collective when not
-    distributed).
+    Arguments:
+
+    - ``interval`` (default 10): steps per logged average.
+    - ``sync`` (default True): average across ranks first (one collective per interval; none when
+      not distributed).
     """
 
     def __init__(self, interval: int = 10, sync: bool = True) -> None:

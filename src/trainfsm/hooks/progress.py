@@ -48,12 +48,18 @@ if TYPE_CHECKING:
 
 
 class ProgressHook(StatsHook):
-    """Print a progress line every ``interval`` steps (and at the last step) on rank 0.
+    """Print a progress line every ``interval`` steps (and at the last step) on rank 0: step, times,
+    ETA, loss, the gradient norm (with ``grad_clip``), learning rates.
 
-    ``with_records`` appends the user's averaged records; ``sync`` averages across ranks first (one
-    collective per interval); ``eta_warmup`` steps of this attempt pass before the ETA is shown;
-    ``show_units`` prints ``s`` / ``GiB`` after times and memory; ``param_group_keys`` says which
-    param-group values follow the loss.
+    Arguments:
+
+    - ``interval`` (default 1): steps between lines.
+    - ``with_records`` (default False): append the user's records, averaged over the interval.
+    - ``sync`` (default False): average across ranks first (one collective per interval).
+    - ``eta_warmup`` (default 10): steps of this attempt before the ETA is shown.
+    - ``show_units`` (default True): print ``s`` / ``GiB`` after times and memory.
+    - ``param_group_keys`` (default ``("name", "lr")``): which optimizer param-group values follow the
+      loss (``lr_0 1.00e-03``, ``lr_<name>`` for a named group; ``"momentum"`` adds ``momentum_0``).
     """
 
     def __init__(

@@ -292,14 +292,19 @@ class IntervalStats:
 
 class StatsHook(BaseHook):
     """Every ``interval`` steps (and at the run's last step: completed, stopped or preempted), call
-    ``callback(trainer, stats)`` with the interval's ``TrainingStats``.
+    ``callback(trainer, stats)`` with the interval's ``TrainingStats``. Every rank calls back;
+    decide in the callback which rank writes (``trainer.rank == 0``). State: none worth saving; the
+    first interval after a resume averages the steps this attempt ran.
 
-    Subclass it and override ``on_stats`` instead of passing a callback, as ``LoggingHook`` and
-    ``ProgressHook`` do. ``sync``: average across ranks first (one collective per interval; none
-    when not distributed). ``param_group_keys``: which keys of each optimizer param group land in
-    ``stats.param_groups`` (those a group has). Every rank calls back; decide in the callback
-    which rank writes (``trainer.rank == 0``). State: none worth saving; the first interval after
-    a resume averages the steps this attempt ran.
+    Arguments:
+
+    - ``callback`` (default None): called with ``(trainer, stats)``; None: subclass it and override
+      ``on_stats`` instead, as ``LoggingHook`` and ``ProgressHook`` do.
+    - ``interval`` (default 10): steps per call.
+    - ``sync`` (default True): average across ranks first (one collective per interval; none when
+      not distributed).
+    - ``param_group_keys`` (default ``("name", "lr")``): which keys of each optimizer param group land
+      in ``stats.param_groups`` (those a group has).
     """
 
     #: ``records=False`` in a subclass skips averaging the user's records (ProgressHook without them).

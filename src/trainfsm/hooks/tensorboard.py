@@ -28,18 +28,22 @@ if TYPE_CHECKING:
 
 class TensorBoardHook(BaseHook):
     """Write ``trainer.log`` records as scalars and ``trainer.log_images`` as images, rank 0 only.
+    The writer is flushed and closed at EXIT, whatever the exit reason.
 
-    ``log_dir``: None for ``workspace/tensorboard``; a relative path is taken under the workspace
-    (or the working directory without one). ``flush_secs`` and ``max_queue`` go to the
-    ``SummaryWriter``; the writer is also flushed and closed at EXIT, whatever the exit reason.
-
-    Nested keys become the tag: the namespace joined with ``namespace_separator`` (default ``/``),
-    then ``/`` and the leaf, as in ``trainloop``: ``{"val": {"loss": x}}`` is ``val/loss``, and
-    ``{"a": {"b": {"c": x}}}`` is ``a/b/c``, or ``a.b/c`` with ``namespace_separator="."`` (TensorBoard
-    groups charts by the part before the last ``/``). ``texts``: a dict written once as text
-    summaries when training starts (a config, a command line). Scalars
+    Nested keys become the tag, as in ``trainloop``: ``{"val": {"loss": x}}`` is ``val/loss``. Scalars
     are numbers and one-element tensors; any other value is skipped with a warning (once per key).
     Images: PIL images, tensors or numpy arrays (see ``trainfsm.hooks.image_files.to_pil``).
+
+    Arguments:
+
+    - ``log_dir`` (default None: ``workspace/tensorboard``): a relative path is taken under the
+      workspace (or the working directory without one).
+    - ``flush_secs`` (default 120) and ``max_queue`` (default 10): passed to the ``SummaryWriter``.
+    - ``namespace_separator`` (default ``"/"``): joins the namespace's parts before the last ``/``
+      and the leaf: ``{"a": {"b": {"c": x}}}`` is ``a/b/c``, or ``a.b/c`` with ``"."`` (TensorBoard
+      groups charts by the part before the last ``/``).
+    - ``texts`` (default None): a dict written once as text summaries when training starts (a
+      config, a command line).
     """
 
     def __init__(

@@ -65,17 +65,22 @@ def average_forward(trainer: BaseTrainer, data_loader: Iterable[Any]) -> dict[st
 
 class ValidationHook(BaseHook):
     """Run ``evaluate`` every ``interval`` steps and at the last step, at the step's decision point
-    (``on_evaluate``: before ``wants_stop`` and ``wants_checkpoint`` are asked).
+    (``on_evaluate``: before ``wants_stop`` and ``wants_checkpoint`` are asked). It runs in eval
+    mode under ``torch.no_grad()``, with the modules' modes and the random states put back
+    afterwards, so training is the same with or without it. With several ranks every number is
+    averaged over the ranks. The results go to ``trainer.log`` under ``name`` and stay in
+    ``hook.last``. More in the module's docstring.
 
-    Give the data as ``data_loader`` (a re-iterable: a DataLoader or a list) or as
-    ``build_data_loader(trainer)``, called once at the first evaluation; a custom ``evaluate`` may
-    do without either (it then receives ``None``). ``evaluate(trainer, data_loader)`` returns a
-    dict of results; the default runs ``trainer.forward`` on every batch and returns the mean
-    ``loss`` and the averaged records. It runs in eval mode under ``torch.no_grad()``, with the
-    modules' modes and the random states put back afterwards, so training is the same with or
-    without it. With several ranks every number is averaged over the ranks. ``name`` is the
-    namespace in ``trainer.log``; the results also stay in ``hook.last``. More in the module's
-    docstring.
+    Arguments:
+
+    - ``interval`` (required): steps between evaluations.
+    - ``data_loader`` (default None): the data, a re-iterable (a DataLoader or a list).
+    - ``evaluate`` (default None: the mean ``loss`` of ``trainer.forward`` over every batch, and the
+      averaged records): ``evaluate(trainer, data_loader)`` returning a dict of results. A custom
+      one may do without data (it then receives None).
+    - ``build_data_loader`` (default None): ``build_data_loader(trainer)``, called once at the first
+      evaluation, instead of ``data_loader``.
+    - ``name`` (default ``"val"``): the namespace of the results in ``trainer.log``.
     """
 
     def __init__(

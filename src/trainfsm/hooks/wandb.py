@@ -53,16 +53,19 @@ class WandbHook(BaseHook):
     The run starts after RESTORE and is finished at EXIT however the run ends; its id is kept in
     ``workspace/wandb/run_id``, so a resumed or requeued launch continues the same wandb run (the
     module's docstring has the details: id precedence, ``WANDB_*`` variables, known limits).
+    Records: nested keys are joined with ``/`` (``{"val": {"loss": x}}`` is ``val/loss``); one-element
+    tensors become numbers. Images: PIL images, tensors, numpy arrays (see
+    ``trainfsm.hooks.image_files.to_pil``), ``wandb.Image`` objects, or lists of these.
 
-    ``project``, ``name``, ``tags``: as ``wandb.init``'s; None leaves them to wandb and its
-    ``WANDB_*`` variables. ``config``: a dict, or the path of a JSON file holding one.
-    ``image_format``: ``"png"``, ``"jpg"``, ``"jpeg"``, ``"bmp"``, None (wandb's default, png), or a
-    callable that takes the ``/``-joined key and returns one of these. ``wandb_kwargs`` go to
-    ``wandb.init`` as they are (``entity``, ``group``, ``mode``, ``settings``, ``id``, ``resume``, ...).
+    Arguments:
 
-    Records: nested keys are joined with ``/`` (``{"val": {"loss": x}}`` is ``val/loss``, a section
-    in wandb's UI); one-element tensors become numbers. Images: PIL images, tensors, numpy arrays
-    (see ``trainfsm.hooks.image_files.to_pil``), ``wandb.Image`` objects, or lists of these.
+    - ``project`` (required; None leaves it to wandb and ``WANDB_PROJECT``), ``name`` (default None),
+      ``tags`` (default None): as ``wandb.init``'s.
+    - ``config`` (default None): a dict, or the path of a JSON file holding one.
+    - ``image_format`` (default ``"png"``): ``"png"``, ``"jpg"``, ``"jpeg"``, ``"bmp"``, None (wandb's
+      default, png), or a callable that takes the ``/``-joined key and returns one of these.
+    - ``**wandb_kwargs``: passed to ``wandb.init`` as they are (``entity``, ``group``, ``mode``,
+      ``settings``, ``id``, ``resume``, ...).
     """
 
     def __init__(
