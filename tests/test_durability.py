@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from tests import crashfs
-from trainfsm.checkpoint import store as store_module
-from trainfsm.checkpoint import writemode
+from trainfsm.checkpoint import recycling, writemode
 from trainfsm.checkpoint.store import CheckpointError, CheckpointStore
 
 pytestmark = pytest.mark.faults
@@ -76,13 +75,13 @@ def trace(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(writemode, "RECHECK_SECONDS", float("inf"))  # no re-check's probe inside the save
         if recycled:
-            patch.setattr(store_module, "RECYCLED_BYTES", 0)
+            patch.setattr(recycling, "RECYCLED_BYTES", 0)
             previous = CheckpointStore(root)
             larger = {"model": {"w": torch.randn(2000)}, "training_state": {"step": 0, "pad": "x" * 3000}}
             previous.save(0, larger, keep=False)  # both its files are cut back when written over
             previous.save(1, parts(1), keep=False)
             previous.prune(0)
-            assert len(list((root / store_module.RECYCLE).iterdir())) == 2
+            assert len(list((root / recycling.RECYCLE).iterdir())) == 2
         else:
             CheckpointStore(root).save(1, parts(1), keep=False)
         store = CheckpointStore(root, direct_io="auto" if recycled else request.param)
@@ -134,7 +133,7 @@ def test_the_recorded_save_is_the_protocol(trace: crashfs.Trace) -> None:
     kinds = [op[0] for op in trace.ops]
     assert kinds[0] == "mkdir" and "rename" in kinds and "symlink" in kinds and "rmdir" in kinds
     assert kinds.count("fsync_file") == 3  # model.pt, training_state.pt, manifest.json
-    recycled = store_module.RECYCLE in trace.initial  # its directory is synced too: files moved out of it
+    recycled = recycling.RECYCLE in trace.initial  # its directory is synced too: files moved out of it
     assert (
         kinds.count("fsync_dir") == 3 + recycled
     )  # the temporary directory, the root after the rename and after latest
@@ -143,8 +142,8 @@ def test_the_recorded_save_is_the_protocol(trace: crashfs.Trace) -> None:
 
 
 def test_a_save_writes_over_kept_files_where_there_are_some(trace: crashfs.Trace) -> None:
-    if store_module.RECYCLE not in trace.initial:
-        assert not [op for op in trace.ops if op[0] == "rename" and op[1].startswith(store_module.RECYCLE)]
+    if recycling.RECYCLE not in trace.initial:
+        assert not [op for op in trace.ops if op[0] == "rename" and op[1].startswith(recycling.RECYCLE)]
         return
     moved = [op for op in trace.ops if op[0] == "rename" and op[1].startswith(".tmp-recycle/")]
     assert sorted(op[2].rsplit("/", 1)[1] for op in moved) == ["model.pt", "training_state.pt"]
@@ -190,11 +189,11 @@ def test_without_any_one_fsync_of_the_protocol_a_crash_state_loses_both_checkpoi
 ) -> None:
     files = _fsyncs(trace, "fsync_file")  # in the order the files are written
     dirs = _fsyncs(trace, "fsync_dir")
-    recycle = trace.initial.get(store_module.RECYCLE)
+    recycle = trace.initial.get(recycling.RECYCLE)
     recycle_syncs = {i for i in dirs if recycle is not None and trace.ops[i] == ("fsync_dir", recycle[1])}
     if which == "recycled files' directory" and recycle is None:
         # small files are deleted, not kept: the save and its prune make no such directory to sync
-        assert not [op for op in trace.ops if op[0] == "mkdir" and op[1] == store_module.RECYCLE]
+        assert not [op for op in trace.ops if op[0] == "mkdir" and op[1] == recycling.RECYCLE]
         return
     dirs = [i for i in dirs if i not in recycle_syncs]
     dropped = {

@@ -591,14 +591,14 @@ def test_the_checkpoint_a_restart_loaded_is_written_over_once_pruned(
 def test_a_restart_without_room_fails_in_restore(tmp_path: Path, monkeypatch: Any) -> None:
     import errno
 
-    from trainfsm.checkpoint import store as store_module
+    from trainfsm.checkpoint import reservation
 
     Wide([CheckpointingHook(interval=1)], max_steps=1, workspace=tmp_path, device="cpu").train()
 
     def full(directory: Path, sizes: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_module, "allocate", full, raising=False)
+    monkeypatch.setattr(reservation, "allocate", full)
     steps = SeeReserved()
     trainer = Wide([CheckpointingHook(interval=1), steps], max_steps=2, workspace=tmp_path, device="cpu")
     no_room = r"has no room for this run's checkpoints.*CheckpointingHook\(path=\.\.\.\)"
@@ -646,9 +646,9 @@ def test_where_sharing_cannot_be_known_only_the_stores_own_reserved_files_are_wr
 ) -> None:
     # As on NFS: no lease tells whether another host has a pruned file open. The files RESTORE
     # reserved were seen by no one, so the first saves still write over them; pruned files are deleted.
-    from trainfsm.checkpoint import store as store_module
+    from trainfsm.checkpoint import recycling
 
-    monkeypatch.setattr(store_module, "unshared", lambda path: False)
+    monkeypatch.setattr(recycling, "unshared", lambda path: False)
     store = CheckpointStore(tmp_path)
     store.reserve({"model": LARGE * 4}, copies=2)
     reserved = set(recycled(tmp_path))

@@ -170,6 +170,45 @@ def test_a_second_resume_takes_trainfsms_own_newer_checkpoint(trained_by_trainlo
     assert [(e["format"], e["from_step"]) for e in loaded] == [("trainloop", 10), ("trainfsm", 12)]
 
 
+def test_inspect_lists_what_a_trainloop_checkpoint_holds(
+    trained_by_trainloop: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No manifest, so nothing to verify: its files load with weights_only=True and are listed, with
+    what a resume from it lacks; a workspace finds it through ``checkpoints/latest``."""
+    from tests.cli_helpers import cli
+
+    code, out, err = cli(capsys, "inspect", trained_by_trainloop)
+    assert (code, err) == (0, ""), err
+    lines = out.splitlines()
+    found = f"(from {trained_by_trainloop}: checkpoints/latest)"
+    assert lines[0] == f"checkpoint {trained_by_trainloop / 'checkpoints' / '10'}  {found}"
+    assert lines[1].startswith("written by trainloop (no manifest.json): no sizes or checksums to verify")
+    assert lines[2] == "step 10, kept: no"
+    assert [line.split()[0] for line in lines[lines.index("files:") + 1 : lines.index("files:") + 4]] == [
+        "ema.pt",
+        "model.pt",
+        "training_state.pt",
+    ]
+    assert "model (model.pt): 4 entries, 41 values, 164 B" in lines
+    assert "training state (training_state.pt): step 10" in lines
+    assert "  optimizer: state for 4 parameters (momentum_buffer)" in lines
+    assert any(line.startswith("  not saved by trainloop: random state, data position") for line in lines)
+    assert "hooks: ema (ema.pt)" in lines
+    assert len(lines[1]) <= 120
+
+
+def test_inspect_fails_a_trainloop_checkpoint_a_resume_would_refuse(
+    trained_by_trainloop: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.cli_helpers import cli
+
+    checkpoint = trained_by_trainloop / "checkpoints" / "10"
+    torch.save({"step": 10}, checkpoint / "training_state.pt")  # no optimizer: not trainloop's training state
+    code, out, err = cli(capsys, "inspect", checkpoint)
+    assert (code, out) == (1, "")
+    assert "INVALID" in err and "does not hold trainloop's training state" in err
+
+
 def test_a_kept_trainloop_checkpoint_loads_through_its_keep_directory(tmp_path: Path) -> None:
     """trainloop keeps step 8 as 8_keep/ with an 8 -> 8_keep link; latest -> 8 links on."""
     workspace = tmp_path / "run"

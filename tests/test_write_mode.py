@@ -15,8 +15,7 @@ import torch
 
 from tests.helpers import TinyTrainer, read_events
 from trainfsm import CheckpointingHook
-from trainfsm.checkpoint import io, writemode
-from trainfsm.checkpoint import store as store_module
+from trainfsm.checkpoint import io, recycling, writemode
 from trainfsm.checkpoint.store import CheckpointStore
 
 
@@ -313,7 +312,7 @@ def test_the_trail_shows_a_save_trying_the_other_way_and_the_saves_deciding(
         pytest.skip("this file system refuses O_DIRECT")
     fake_rates(monkeypatch, {"page_cache": 20_000.0, "o_direct": 9_000.0})  # no real save is that fast
     monkeypatch.setattr(writemode, "RATED_BYTES", 1)  # the tiny trainer's saves count
-    monkeypatch.setattr(store_module, "RECYCLED_BYTES", 1)  # and are written over kept files
+    monkeypatch.setattr(recycling, "RECYCLED_BYTES", 1)  # and are written over kept files
     saved = named(train(tmp_path, steps=16), "checkpoint_saved")
     ways = [(e["direct_io"], e["chosen_by"]) for e in saved]
     tried = ways.index((True, "trying the other way"))
@@ -400,7 +399,7 @@ def test_a_page_cache_write_over_a_file_o_direct_wrote_does_not_count(
         pytest.skip("this file system refuses O_DIRECT")
     fake_rates(monkeypatch, {"page_cache": 3.0, "o_direct": 1.5})
     monkeypatch.setattr(writemode, "RATED_BYTES", 1)
-    monkeypatch.setattr(store_module, "RECYCLED_BYTES", 1)
+    monkeypatch.setattr(recycling, "RECYCLED_BYTES", 1)
     store = CheckpointStore(tmp_path)
     store.prepare()
     ways = iter([True, True, False, False, False])
@@ -426,18 +425,18 @@ def test_a_save_takes_the_recycled_file_whose_pages_suit_its_way(
     # Through the page cache: the file whose pages are cached (no fresh pages to find). With
     # O_DIRECT: the other one, whose pages it does not drop. Both hold the file; the one that
     # suits is the larger, which the smallest-first rule alone would not take.
-    monkeypatch.setattr(store_module, "RECYCLED_BYTES", 1)
+    monkeypatch.setattr(recycling, "RECYCLED_BYTES", 1)
     store = CheckpointStore(tmp_path)
-    bin_ = tmp_path / store_module.RECYCLE
+    bin_ = tmp_path / recycling.RECYCLE
     bin_.mkdir(parents=True)
     cached, uncached = bin_ / "a.pt", bin_ / "b.pt"
     cached.write_bytes(bytes(4096 if direct else 8192))
     uncached.write_bytes(bytes(8192 if direct else 4096))
-    store._cached.mark(cached, cached=True)
-    store._cached.mark(uncached, cached=False)
+    store._recycler.cached.mark(cached, cached=True)
+    store._recycler.cached.mark(uncached, cached=False)
     inodes = {cached.stat().st_ino: "cached", uncached.stat().st_ino: "uncached"}
     target = tmp_path / "model.pt"
-    assert store._reuse(4096, target, direct) == (True, not direct)
+    assert store._recycler.reuse(4096, target, direct) == (True, not direct)
     assert inodes[target.stat().st_ino] == ("uncached" if direct else "cached")
 
 
@@ -445,10 +444,10 @@ def test_a_file_changed_since_its_write_is_not_taken_for_cached(tmp_path: Path) 
     store = CheckpointStore(tmp_path)
     path = tmp_path / "model.pt"
     path.write_bytes(bytes(4096))
-    store._cached.mark(path, cached=True)
-    assert store._cached.holds(path.stat())
+    store._recycler.cached.mark(path, cached=True)
+    assert store._recycler.cached.holds(path.stat())
     path.write_bytes(bytes(8192))  # written by something else since: its pages are not ours to know
-    assert not store._cached.holds(path.stat())
+    assert not store._recycler.cached.holds(path.stat())
 
 
 def test_the_store_forgets_the_cached_files_that_pruning_deletes(
@@ -458,14 +457,14 @@ def test_the_store_forgets_the_cached_files_that_pruning_deletes(
     # deleted, and an entry kept for one would outlive it (a slow leak over a long run). Here the
     # first checkpoint has two files and the later ones one: from the third save on, each pruned
     # checkpoint's file finds the recycled files full.
-    monkeypatch.setattr(store_module, "RECYCLED_BYTES", 1)
+    monkeypatch.setattr(recycling, "RECYCLED_BYTES", 1)
     store = CheckpointStore(tmp_path, direct_io=False)
     for step in range(1, 7):
         names = ("model", "optimizer") if step == 1 else ("model",)
         store.save(step, {name: {"w": torch.zeros(4096)} for name in names}, keep=False)
         store.prune(keep_previous=0)
         existing = {path.stat().st_ino for path in tmp_path.rglob("*.pt")}
-        assert set(store._cached._files) <= existing
-    assert len(store._cached) == 2  # the newest checkpoint's file and the recycled one
+        assert set(store._recycler.cached._files) <= existing
+    assert len(store._recycler.cached) == 2  # the newest checkpoint's file and the recycled one
     store.close()
-    assert len(store._cached) == 0
+    assert len(store._recycler.cached) == 0

@@ -2,6 +2,12 @@
 
 - ``store``: one directory per step, written atomically (temporary directory, fsyncs, manifest
   last, rename, ``latest``), listed, verified and pruned;
+- ``parts``: a save's files, each written its own way, fsynced after the last; the other ranks' checked;
+- ``directories``: the step directories under a store's root, and who wrote each (trainloop's are foreign);
+- ``pointers``: ``latest``, ``best``, ... moved atomically, and those that wait for a save;
+- ``recycling``: a pruned checkpoint's large files, kept for the next saves to write over;
+- ``reservation``: the room of a run's checkpoints, taken in RESTORE;
+- ``writemode``: through the page cache or past it (``O_DIRECT``), measured on the disk and chosen;
 - ``manifest``: what a complete checkpoint holds and the checks made before a byte is unpickled;
 - ``lineage``: the order checkpoints were written in, and which ones a rollback abandoned;
 - ``replace``: a step saved again over its old copy, and the copies a kill left on the way;

@@ -24,7 +24,8 @@ from typing import Final
 from trainfsm.checkpoint.io import fsync_dir
 from trainfsm.checkpoint.manifest import KEEP_SUFFIX, MANIFEST, parse_step, written_whole
 
-#: ``trainfsm.checkpoint.store.TMP_PREFIX`` (the store imports this module, so this one cannot import it).
+#: The prefix of every temporary name under a store's root (``trainfsm.checkpoint.store.TMP_PREFIX``):
+#: RESTORE removes what a crash left under it.
 TMP_PREFIX: Final = ".tmp-"
 ASIDE: Final = f"{TMP_PREFIX}old-"  # an old copy a re-save moved aside: .tmp-old-<name>-<nonce>
 

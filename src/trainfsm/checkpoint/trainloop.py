@@ -41,6 +41,13 @@ def load(path: Path) -> dict[str, Any]:
     each hook's state under its file's stem. Every file is loaded with ``weights_only=True``."""
     parts = {file.stem: load_file(file) for file in sorted(path.iterdir()) if file.suffix == ".pt" and file.is_file()}
     training = parts.pop("training_state")
+    check_training_state(path, training)
+    return {**parts, **training}
+
+
+def check_training_state(path: Path, training: Any) -> None:
+    """CheckpointError unless ``training`` (``path``'s ``training_state.pt``) is trainloop's: a dict
+    with ``TRAINING_KEYS``, and not trainfsm's own (which has ``ranks``) without its manifest."""
     if isinstance(training, dict) and "ranks" in training:  # trainfsm's own training state
         raise CheckpointError(
             f"{path} looks like a trainfsm checkpoint whose {MANIFEST} is missing: without it the files "
@@ -51,4 +58,3 @@ def load(path: Path) -> dict[str, Any]:
             f"{path / 'training_state.pt'} does not hold trainloop's training state "
             f"(a dict with {', '.join(TRAINING_KEYS)}); it was not written by trainloop's CheckpointingHook"
         )
-    return {**parts, **training}

@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from trainfsm import activity
-from trainfsm.checkpoint.io import ALIGN, BUFFER_BYTES, DurableWriter, Staging, filler
+from trainfsm.checkpoint.io import ALIGN, BUFFER_BYTES, DurableWriter, Staging, filler, tensor_bytes
 
 #: What ``direct_io`` may be: a forced way, or "auto" (measured).
 SETTINGS: Final = (True, False, "auto")
@@ -199,6 +199,20 @@ class WriteMode:
         self._current: dict[int, bool] = {}  # size class -> the way its last file was written
         self._last_bytes: int | None = None
         self._recheck: threading.Thread | None = None
+        self._file_bytes: dict[str, int] = {}  # each file's size at the last save: how its next one is written
+
+    def for_part(self, stem: str, obj: Any) -> tuple[Choice, int]:
+        """The way to write a save's file ``stem`` holding ``obj``, and the size it is chosen for:
+        each file its own way, by its size: its size last time (``part_written``), or at its first
+        save its tensors' bytes."""
+        expected = self._file_bytes.get(stem)
+        if expected is None:
+            expected = tensor_bytes(obj)
+        return self.for_file(expected), expected
+
+    def part_written(self, stem: str, nbytes: int) -> None:
+        """File ``stem`` of a save was ``nbytes``: its next save's way is chosen for that size."""
+        self._file_bytes[stem] = nbytes
 
     def choose(self, root: Path, io: ThreadPoolExecutor, staging: Staging) -> Choice:
         """The way to write a file of a size not saved yet into ``root`` (an existing directory):
@@ -250,6 +264,13 @@ class WriteMode:
         if rated and nbytes >= RATED_BYTES and seconds > 0:
             ways = self._saved.setdefault(size, {})
             ways.setdefault(direct, deque(maxlen=SAVES_KEPT)).append((nbytes, seconds, time.monotonic()))
+
+    @staticmethod
+    def rated(overwrite: bool, direct: bool, cached: bool) -> bool:
+        """Whether a save's file counts for its way's rate (``after_write``): where it wrote over a
+        file as saves do once running: with O_DIRECT over its blocks, through the page cache over
+        its cached pages too. A new file's blocks and fresh pages are a one-off, not the way's rate."""
+        return overwrite and (direct or cached)
 
     def _decide(self, nbytes: int | None) -> Choice:
         """The way for a file of ``nbytes`` (None: of a size not known yet, as in ``prepare``).

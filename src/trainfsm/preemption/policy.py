@@ -3,8 +3,9 @@
 ``Preemption`` is created by ``train()`` before anything else and stopped at its end. It owns the
 exit policy (from ``set_exit_signals()`` or the first hook that declares one through
 ``BaseHook.exit_policy``), the handlers (``SignalWatcher``), the cross-rank agreement on a pending
-signal, the SLURM requeue and the exit wait. The trainer asks it three questions, each at a safe
-point of the machine, and acts on the answer with a transition:
+signal, the SLURM requeue (done by ``trainfsm.preemption.requeue``) and the exit wait. The trainer
+asks it three questions, each at a safe point of the machine, and acts on the answer with a
+transition:
 
 - ``before_training()`` at the end of BUILD and of RESTORE: leave by ``preempt``?
 - ``at_step_end(step)`` after every optimizer step: checkpoint (if a hook wants), then ``finish``?
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from trainfsm import collectives
 from trainfsm.collectives import SignalAgreement
 from trainfsm.preemption import slurm
+from trainfsm.preemption.requeue import Requeue, record_job_end
 from trainfsm.preemption.signals import (
     DEADLINE,
     HELD_SIGNALS,
@@ -161,10 +163,7 @@ class Preemption:
         self.log: Any = None  # the trail's logger, once the trail is open
         self.rank, self.world = 0, 1
         self.job: slurm.SlurmJob | None = None
-        #: Who put the job back in the queue: "trainer" (``scontrol requeue``), "slurm" (it had
-        #: already: ``PreemptMode=REQUEUE``), or None.
-        self.requeued_by: str | None = None
-        self._after_signal: slurm.JobView | None = None  # rank 0: the job as read after the signal
+        self._requeue = Requeue()  # the job as read after the signal, and who requeued it
         self._step_agreement: SignalAgreement | None = None
         # Where the signal pending on any rank at a step's end comes from, when not from this
         # rank alone (None): the step's signal all-reduce, or the last micro-batch agreement's.
@@ -380,8 +379,8 @@ class Preemption:
                 self.log.warning("launcher_stop", pid=agent, signal="SIGTERM", at="process exit")
         if preempted and self.rank == 0:
             self._record_job_end()  # before the requeue, which gives the job a new end
-            self._requeue()
-            if self.requeued_by == "trainer":
+            self._requeue_by_policy()
+            if self._requeue.requeued_by == "trainer":
                 self._await_requeue_signal()
             self.report()
 
@@ -396,28 +395,13 @@ class Preemption:
 
     def _record_job_end(self) -> None:
         """The job as SLURM has it after the signal (read since the preemption began): its end,
-        and the deadline that applied (``slurm.deadline_after``)."""
+        and the deadline that applied (``trainfsm.preemption.requeue.record_job_end``)."""
         read, self._end_read = self._end_read, None
         if read is None:
             return
-        view, wait = read.result()
-        self._after_signal = view
-        job = self._followed()
-        left_at = self._left_at if self._left_at is not None else time.time()
         sigterm = self._cause == "signal" and self._left_by == signal.SIGTERM
-        kill = slurm.deadline_after(view, job, left_at, wait, sigterm) if job is not None else None
-        self.log.info(
-            "job_end",
-            end_time=view.end_time if view else None,
-            read_at=round(view.read_at, 3) if view else None,
-            after=self._cause,
-            applied=kill.applied if kill else None,
-            kill_start=kill.kill_start if kill else None,
-            kill_wait=wait,
-            kill_at=kill.kill_at if kill else None,
-            job_state=view.state if view else None,
-            restarts=view.restarts if view else None,
-        )
+        view = record_job_end(self.log, read, self._followed(), self._left_at, self._cause, sigterm)
+        self._requeue.after_signal = view
 
     def stopped_for_restart(self) -> str | None:
         """A collective failed: if an exit signal had reached this rank under torchrun, the name of
@@ -429,10 +413,19 @@ class Preemption:
             return None
         return signal.Signals(pending & SIGNAL_BITS).name
 
-    def _requeue(self) -> None:
+    @property
+    def requeued_by(self) -> str | None:
+        """Who put the job back in the queue: "trainer" (``scontrol requeue``), "slurm" (it had
+        already: ``PreemptMode=REQUEUE``), or None."""
+        return self._requeue.requeued_by
+
+    def _requeue_by_policy(self) -> None:
         policy = self.policy
         if policy is not None:
-            self._requeue_by(policy.requeue, policy.max_requeues, lambda level, **f: getattr(self.log, level)(**f))
+            self._requeue.run(self.job, policy.requeue, policy.max_requeues, self._record)
+
+    def _record(self, level: str, **fields: Any) -> None:
+        getattr(self.log, level)(**fields)
 
     def requeue_after_stall(self, record: Callable[..., None], refused: str | None = None) -> None:
         """The stall watchdog ends the process (``stall_action="exit"``): requeue the SLURM job
@@ -442,60 +435,7 @@ class Preemption:
         these rules would requeue is not (the same stall as the attempt before)."""
         policy = self.policy
         requeue, cap = (policy.requeue, policy.max_requeues) if policy is not None else ("auto", None)
-        self._requeue_by(requeue, cap, record, refused)
-
-    def _requeue_by(
-        self, requeue: bool | str, cap: int | None, record: Callable[..., None], refused: str | None = None
-    ) -> None:
-        job = self.job
-        if job is None or requeue is False:
-            return
-        if requeue == "auto":
-            view = self._after_signal  # read since the signal; else ask (None: SLURM did not say: try)
-            batch = view.batch if view is not None and view.batch is not None else slurm.is_batch_job(job.job_id)
-            if batch is False:
-                return
-        if cap is not None and job.restart_count >= cap:
-            refused = f"SLURM_RESTART_COUNT={job.restart_count} reached max_requeues={cap}"
-        if refused is not None:
-            record(
-                "error", event="requeue", command=None, ok=False, message=f"not requeued: {refused}", requeued_by=None
-            )
-            return
-        if slurm.requeued_by_slurm(self._after_signal, job):  # PreemptMode=REQUEUE did it already
-            self._requeued_by_slurm(record, None, self._after_signal)
-            return
-        result = slurm.requeue(job)
-        if not result.ok:  # "Job is pending execution": SLURM may have requeued it meanwhile
-            view = slurm.show_job(job.job_id, timeout=2.0)  # short: KillWait runs
-            if slurm.requeued_by_slurm(view, job):
-                self._requeued_by_slurm(record, result, view)
-                return
-        self.requeued_by = "trainer" if result.ok else None
-        record(
-            "info" if result.ok else "error",
-            event="requeue",
-            command=" ".join(result.command),
-            ok=result.ok,
-            message=result.message,
-            requeued_by=self.requeued_by,
-        )
-
-    def _requeued_by_slurm(
-        self, record: Callable[..., None], result: slurm.RequeueResult | None, view: slurm.JobView | None
-    ) -> None:
-        """SLURM requeued the job itself: the run will resume, and nothing failed."""
-        self.requeued_by = "slurm"
-        said = f"; scontrol requeue said: {result.message}" if result is not None else ""
-        state = f"JobState={view.state} Restarts={view.restarts}" if view is not None else ""
-        record(
-            "info",
-            event="requeue",
-            command=" ".join(result.command) if result is not None else None,
-            ok=True,
-            message=f"SLURM requeued the job itself ({state}){said}",
-            requeued_by="slurm",
-        )
+        self._requeue.run(self.job, requeue, cap, record, refused)
 
     def wait_before_exit(self) -> None:
         """``exit_wait`` (e.g. let SLURM record TIMEOUT, not FAILED); none after a requeue."""

@@ -107,11 +107,15 @@ and param groups, scheduler and grad-scaler keys, and hooks' state.
 
 CHECKPOINT_DIR is a checkpoint (checkpoints/1000), a checkpoint store (its
 `latest`), or a workspace (its checkpoints/latest). Files are loaded with
-torch.load(weights_only=True) only after they verified."""
+torch.load(weights_only=True) only after they verified. A checkpoint that
+trainloop wrote has no manifest, so nothing to verify: its files are loaded the
+same way and listed, with what a resume from it lacks (random state, data
+position)."""
 
 INSPECT_EXIT_CODES: Final = """\
 exit codes:
-  0  the checkpoint is intact
+  0  the checkpoint is intact (trainloop's: it loads, and trainfsm can resume
+     from it)
   1  it is not: incomplete, truncated, corrupted, or unloadable (the problem is
      printed)
   2  usage error, or no checkpoint at that path"""

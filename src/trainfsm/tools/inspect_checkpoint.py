@@ -9,6 +9,11 @@ A sharded checkpoint (written with torch.distributed.checkpoint) needs no proces
 its files are verified the same way, and DCP's ``.metadata`` (read with an unpickler that allows
 only DCP's own types) gives each entry's key, global shape and dtype; the shards are not read.
 
+A checkpoint that trainloop wrote (``trainfsm.checkpoint.trainloop``: its files, no manifest) has
+nothing to verify: it records no sizes or checksums. Its files are loaded the same safe way and
+listed, with what trainfsm resumes from it and what it lacks (random state, data position), and it
+fails where a resume would: a ``training_state.pt`` that is not trainloop's.
+
 The path may name a checkpoint directory (``checkpoints/1000``), a store (``checkpoints``: its
 ``latest``) or a workspace (``WORKSPACE/checkpoints/latest``).
 """
@@ -21,7 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm.checkpoint.store import LATEST, MANIFEST, CheckpointError, CheckpointStore, parse_step
+from trainfsm.checkpoint import trainloop
+from trainfsm.checkpoint.store import (
+    LATEST,
+    MANIFEST,
+    TRAINFSM,
+    TRAINLOOP,
+    CheckpointError,
+    CheckpointStore,
+    parse_step,
+)
 
 #: ``training_state.pt`` keys shown as plain values.
 _SCALARS: Final = ("step", "epoch")
@@ -38,6 +52,7 @@ class Inspection:
     manifest: dict[str, Any]
     parts: dict[str, Any]  # file stem -> loaded object (the .pt files)
     sharded: dict[str, Any] | None = None  # DCP key -> TensorStorageMetadata / BytesStorageMetadata
+    written_by: str = TRAINFSM  # or TRAINLOOP: no manifest (empty), nothing verified
 
 
 def resolve(given: Path) -> tuple[Path, str | None]:
@@ -58,6 +73,9 @@ def resolve(given: Path) -> tuple[Path, str | None]:
 def inspect(given: Path) -> Inspection:
     """Verify and load the checkpoint ``given`` names; ``CheckpointError`` when it is not intact."""
     path, how = resolve(given)
+    found = _inspect_trainloop(path, how) if trainloop.is_trainloop(path) else None
+    if found is not None:
+        return found
     manifest = CheckpointStore.verify(path)
     parts = {name.removesuffix(".pt"): _load(path / name) for name in manifest["files"] if "/" not in name}
     entries = None
@@ -66,6 +84,18 @@ def inspect(given: Path) -> Inspection:
 
         entries = dict(sharded.read_metadata(path / sharded.SUBDIR).state_dict_metadata)
     return Inspection(path, how, manifest, parts, entries)
+
+
+def _inspect_trainloop(path: Path, how: str | None) -> Inspection | None:
+    """Load a trainloop checkpoint's files (no manifest: nothing to verify first), and check its
+    training state as a resume would (``trainloop.check_training_state``). None for a trainfsm
+    checkpoint that lost its manifest (its training state has ``ranks``): ``verify`` says what is wrong."""
+    training = _load(path / "training_state.pt")
+    if isinstance(training, dict) and "ranks" in training:
+        return None
+    trainloop.check_training_state(path, training)
+    parts = {file.stem: _load(file) for file in sorted(path.glob("*.pt")) if file.is_file()}
+    return Inspection(path, how, {}, parts, written_by=TRAINLOOP)
 
 
 def _load(file: Path) -> Any:
@@ -97,6 +127,8 @@ def _sums(info: dict[str, Any], algorithm: str) -> str:
 
 
 def render(found: Inspection) -> str:
+    if found.written_by == TRAINLOOP:
+        return _render_trainloop(found)
     manifest, parts = found.manifest, found.parts
     lines = [f"checkpoint {found.path}" + (f"  (from {found.resolved_from})" if found.resolved_from else "")]
     files = manifest["files"]
@@ -134,6 +166,34 @@ def render(found: Inspection) -> str:
         lines.append("")
         lines.append(f"hooks (hooks.pt): {', '.join(hooks) or 'none'}")
         lines.extend(f"  {key}: {_describe(value)}" for key, value in hooks.items())
+    return "\n".join(lines)
+
+
+def _render_trainloop(found: Inspection) -> str:
+    """A trainloop checkpoint: its files and what they hold; ``model.pt`` is the state dict itself,
+    ``training_state.pt`` the step and optimizer, scheduler and scaler states, any other file a hook's."""
+    parts, path = found.parts, found.path
+    kept = parse_step(path.name)
+    lines = [f"checkpoint {path}" + (f"  (from {found.resolved_from})" if found.resolved_from else "")]
+    lines.append(
+        f"written by trainloop (no {MANIFEST}): no sizes or checksums to verify; files loaded with weights_only=True"
+    )
+    step = parts["training_state"].get("step")
+    lines.append(f"step {step}, kept: {'yes' if kept is not None and kept[1] else 'no'}")
+    lines.append("")
+    lines.append("files:")
+    lines.extend(f"  {name + '.pt':<22} {_size((path / f'{name}.pt').stat().st_size):>10}" for name in parts)
+    model = parts.get("model")
+    if isinstance(model, dict):
+        lines.append("")
+        lines.extend(_render_model(model))
+    lines.append("")
+    lines.extend(_render_training_state(parts["training_state"], scalars=("step",)))
+    lines.append("  not saved by trainloop: random state, data position (a resumed run starts a fresh data iterator)")
+    hooks = {name: value for name, value in parts.items() if name not in ("model", "training_state")}
+    lines.append("")
+    lines.append(f"hooks: {', '.join(f'{name} ({name}.pt)' for name in hooks) or 'none'}")
+    lines.extend(f"  {name}: {_describe(value)}" for name, value in hooks.items())
     return "\n".join(lines)
 
 
@@ -180,8 +240,8 @@ def _entry(entry: Any) -> str:
     return f"{shape:<16} {str(entry.properties.dtype).removeprefix('torch.')}"
 
 
-def _render_training_state(state: dict[str, Any]) -> list[str]:
-    lines = ["training state (training_state.pt): " + ", ".join(f"{k} {state.get(k)}" for k in _SCALARS)]
+def _render_training_state(state: dict[str, Any], scalars: tuple[str, ...] = _SCALARS) -> list[str]:
+    lines = ["training state (training_state.pt): " + ", ".join(f"{k} {state.get(k)}" for k in scalars)]
     if "optimizer" in state:  # a sharded checkpoint's optimizer is under sharded/
         lines.extend(_render_optimizer(state["optimizer"]))
     for key in ("lr_scheduler", "grad_scaler"):
