@@ -11,6 +11,7 @@ No torch and no structlog here.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -56,8 +57,15 @@ def path(name: Any, room: int = 48) -> str:
     return ".../" + (tail.split("/", 1)[1] if "/" in tail[1:] else tail)
 
 
+def ending_in_path(head: str, name: Any, tail: str = "", width: int = 96) -> str:
+    """``head: PATH tail.``, the path's tail only where the whole would pass ``width``."""
+    return f"{head}: {path(name, max(12, width - len(head) - len(tail) - 3))}{tail}."
+
+
 def first_line(text: Any, room: int = 80) -> str:
+    """Free text (an error's message) in one line of ``room`` at most, with no checksum in it."""
     line = str(text).strip().splitlines()[0] if str(text).strip() else ""
+    line = re.sub(r"\b[0-9a-f]{16,}\b", "...", line)
     return line if len(line) <= room else line[: room - 3] + "..."
 
 
@@ -81,11 +89,11 @@ def _restore(e: Event) -> str | None:
 
 
 def _checkpoint_loaded(e: Event) -> str:
-    whose = "trainloop's checkpoint" if e.get("format") == "trainloop" else "checkpoint"
-    text = f"Resuming from {whose} {e.get('from_step')} (attempt {e.get('attempt')}): {path(e.get('path'))}"
     if e.get("format") == "trainloop":
-        text += "; no data position or random state in it"
-    return text + "."
+        head = f"Resuming from trainloop's checkpoint {e.get('from_step')} (no data position or RNG)"
+    else:
+        head = f"Resuming from checkpoint {e.get('from_step')} (attempt {e.get('attempt')})"
+    return ending_in_path(head, e.get("path"))
 
 
 def _data_resumed(e: Event) -> str:
@@ -104,8 +112,8 @@ def _data_resumed(e: Event) -> str:
 
 def _data_exhausted(e: Event) -> str:
     dropped = e.get("dropped_micro_batches")
-    text = f"The data is used up after {plural(e.get('epochs'), 'epoch')} (max_epochs): ending the run"
-    return text + (f", the last {plural(dropped, 'micro-batch')} not stepped." if dropped else ".")
+    text = f"The data is used up after {plural(e.get('epochs'), 'epoch')} (max_epochs): the run ends"
+    return text + (f", {plural(dropped, 'micro-batch')} unstepped." if dropped else ".")
 
 
 # ---------------------------------------------------------------- the step
@@ -117,11 +125,12 @@ def _non_finite(e: Event) -> str:
 
 
 def _oom(e: Event) -> str:
-    where = f"in the {e.get('phase')} of {e.get('rows')} rows" if e.get("phase") else "on another rank"
+    where = f"{e.get('phase')}, {e.get('rows')} rows" if e.get("phase") else "on another rank"
     ranks = e.get("ranks")
-    who = f" (ranks {', '.join(map(str, ranks))})" if ranks else ""
+    if ranks:
+        where += f", {'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"
     return (
-        f"Out of memory at step {e.get('step')} {where}{who}: retry {e.get('retry')} of {e.get('max')}, "
+        f"Out of memory at step {e.get('step')} ({where}): retry {e.get('retry')} of {e.get('max')} "
         f"in pieces of {e.get('piece_rows')} rows."
     )
 
@@ -134,15 +143,13 @@ def _loss_none(e: Event) -> str:
 def _checkpoint_saved(e: Event) -> str:
     how = f"{size(e.get('bytes'))} in {duration(e.get('seconds'))}"
     if e.get("asynchronous"):
-        how += f" in the background, {duration(e.get('blocked_seconds'))} in the loop"
+        how += f", {duration(e.get('blocked_seconds'))} blocking"
     if e.get("sharded"):
-        how += f", sharded over {plural(e.get('world_size'), 'rank')}"
+        how += f", {plural(e.get('world_size'), 'rank')}"
     kept = " (kept)" if e.get("kept") else ""
-    text = f"Saved checkpoint {e.get('saved_step')}{kept} ({how}): {path(e.get('path'), 40)}"
     pruned = e.get("pruned")  # the console's (``trainfsm.trail.console.CONSOLE_ONLY``), not the trail's
-    if pruned:
-        text += f"; removed {', '.join(os.path.basename(p) for p in pruned)}"
-    return text + "."
+    tail = f"; removed {', '.join(os.path.basename(p) for p in pruned)}" if pruned else ""
+    return ending_in_path(f"Saved checkpoint {e.get('saved_step')}{kept} ({how})", e.get("path"), tail)
 
 
 def _checkpoint_pruned(e: Event) -> str:
