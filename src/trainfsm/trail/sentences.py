@@ -70,7 +70,7 @@ def first_line(text: Any, room: int = 80) -> str:
 
 
 def plural(n: Any, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('ch') else 's'}"
 
 
 # ---------------------------------------------------------------- starting and resuming
@@ -102,7 +102,7 @@ def _data_resumed(e: Event) -> str:
     if mode == "none":
         return f"The data starts a new pass (data_resume='none'): {first_line(e.get('why'), 50)}."
     text = (
-        f"The data resumes in epoch {e.get('epoch')} after {plural(e.get('batches'), 'batch').replace('batchs', 'batches')} "
+        f"The data resumes in epoch {e.get('epoch')} after {plural(e.get('batches'), 'batch')} "
         f"({how.get(str(mode), str(mode))}, {duration(e.get('seconds'))})"
     )
     if e.get("exact") is False:
