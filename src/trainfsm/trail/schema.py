@@ -70,7 +70,8 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
     "signal_agreed": ("signal", "agreed_step", "reason", "step_ended_at"),
     "deadline": _names(
-        "end_time decided_at left needed steps step_seconds save_seconds save_measured write_seconds exit_seconds margin"
+        "end_time decided_at left needed steps step_seconds save_seconds save_measured write_seconds exit_seconds "
+        "margin"
     ),
     "job_end": _names("end_time read_at after applied kill_start kill_wait kill_at job_state restarts"),
     "preempted": ("preempt_time", "grace_end", "grace_time", "mode", "read_at", "noticed_at"),
