@@ -358,7 +358,7 @@ def test_the_fields_at_debug_skip_identity_fields():
 
 def test_render_console_is_the_sentence_or_else_the_fields():
     stall = {"event": "stall", "rank": 1, "step": 87, "state": "ACCUMULATE", "seconds": 62.0, "doing": "a barrier"}
-    assert render_console(stall) == "[rank 1] Stuck 62.0 s at step 87 (ACCUMULATE) in a barrier."
+    assert render_console(stall) == "[rank 1] Stalled 62.0 s at step 87 (ACCUMULATE) in a barrier."
     assert render_console({"event": "my_event", "rank": 0, "step": 3, "state": "STEP", "x": 1}) == (
         "[rank 0] step 3 STEP my_event x=1"
     )

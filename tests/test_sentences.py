@@ -229,7 +229,7 @@ def test_only_rank_0_speaks_at_info_unless_the_event_is_a_ranks_own():
 
 def test_the_sentences_people_read():
     assert sentence(event("stall", rank=1)) == (
-        "[rank 1] Stuck 62.0 s at step 87 (CHECKPOINT) in the step-end signal agreement (all-reduce)."
+        "[rank 1] Stalled 62.0 s at step 87 (CHECKPOINT) in the step-end signal agreement (all-reduce)."
     )
     saved = event("checkpoint_saved", asynchronous=False, sharded=False, path="runs/qs/checkpoints/100")
     assert sentence({**saved, "pruned": ["runs/qs/checkpoints/80"]}) == (

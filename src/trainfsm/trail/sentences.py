@@ -246,7 +246,7 @@ def _stall(e: Event) -> str:
         stack = e.get("stack") or ()
         where = f"your code, at {os.path.basename(str(stack[-1]))}" if stack else "your code"
     exiting = ": exiting (stall_action=exit)" if e.get("action") == "exit" else ""
-    return f"Stuck {duration(e.get('seconds'))} at step {e.get('step')} ({e.get('state')}) in {where}{exiting}."
+    return f"Stalled {duration(e.get('seconds'))} at step {e.get('step')} ({e.get('state')}) in {where}{exiting}."
 
 
 def _stall_cleared(e: Event) -> str:
