@@ -241,12 +241,16 @@ def _collective_failed(e: Event) -> str:
 def _stall(e: Event) -> str:
     doing = e.get("doing")
     if doing:
-        where = str(doing).split(", in ")[0]
+        where = re.split(r", (?:in|whose) ", str(doing))[0]  # the innermost of what it is in
     else:
         stack = e.get("stack") or ()
-        where = f"your code, at {os.path.basename(str(stack[-1]))}" if stack else "your code"
+        where = f"your code, at {os.path.basename(str(stack[-1]).split()[0])}" if stack else "your code"
     exiting = ": exiting (stall_action=exit)" if e.get("action") == "exit" else ""
-    return f"Stalled {duration(e.get('seconds'))} at step {e.get('step')} ({e.get('state')}) in {where}{exiting}."
+    text = f"Stalled {duration(e.get('seconds'))} at step {e.get('step')} ({e.get('state')}) in {where}"
+    waits = ", waiting for every rank"
+    if e.get("collective") and not exiting and len(text) + len(waits) + 10 <= 96:  # "[rank R] " first
+        text += waits
+    return f"{text}{exiting}."
 
 
 def _stall_cleared(e: Event) -> str:
