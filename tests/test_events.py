@@ -26,6 +26,7 @@ from tests.helpers import (
     transitions_of,
 )
 from trainfsm import STATES, BaseHook, BaseTrainer
+from trainfsm.trail.console import details
 from trainfsm.trail.schema import EVENT_FIELDS, FORMAT_VERSION
 from trainfsm.trail.writer import BATCH, render_console
 
@@ -220,7 +221,7 @@ def test_no_workspace_writes_no_files(tmp_path, monkeypatch, caplog):
     assert trainer.attempt == 0
     assert re.fullmatch(r"[0-9a-f]{12}", trainer.run_id)
     # The console still gets the decision events.
-    assert caplog.messages[-1] == "[rank 0] step 2 EXIT exit reason=completed code=0"
+    assert caplog.messages[-1] == "Done: completed at step 2 (exit code 0)."
 
 
 def test_failure_in_build_records_fail_transition_and_exit(tmp_path, events):
@@ -260,7 +261,8 @@ def test_loss_none_is_a_debug_event_in_the_file_only(make_trainer, events, caplo
     caplog.set_level(logging.INFO, logger="trainfsm")
     make_trainer(max_steps=1, script={1: "none"}).train()
     assert "loss_none" in outline(events())
-    assert [m.split(" ")[5] for m in caplog.messages] == ["run_start", "restore", "exit"]
+    assert [m.split(" ")[0] for m in caplog.messages] == ["Starting", "Done:"]
+    assert not [m for m in caplog.messages if "loss" in m]
 
 
 # ---------------------------------------------------------------- the console
@@ -268,17 +270,15 @@ def records_of(caplog: pytest.LogCaptureFixture, name: str = "trainfsm") -> list
     return [r for r in caplog.records if r.name == name]
 
 
-def test_console_shows_decision_events_at_info(make_trainer, caplog):
+def test_console_shows_decision_events_at_info_as_sentences(make_trainer, caplog):
     caplog.set_level(logging.INFO, logger="trainfsm")
-    make_trainer(max_steps=2).train()
+    trainer = make_trainer(max_steps=2)
+    trainer.train()
     records = records_of(caplog)
-    assert [(r.levelno, r.getMessage().split(" ")[5]) for r in records] == [
-        (logging.INFO, "run_start"),
-        (logging.INFO, "restore"),
-        (logging.INFO, "exit"),
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (logging.INFO, f"Starting fresh at step 0 (run {trainer.run_id}, attempt 0)."),
+        (logging.INFO, "Done: completed at step 2 (exit code 0)."),
     ]
-    assert records[-1].getMessage() == "[rank 0] step 2 EXIT exit reason=completed code=0"
-    assert records[1].getMessage() == "[rank 0] step 0 RESTORE restore resumed=False from_step=0"
 
 
 def test_console_shows_transitions_at_debug_only(make_trainer, events, caplog):
@@ -294,8 +294,14 @@ def test_console_shows_transitions_at_debug_only(make_trainer, events, caplog):
         "[rank 0] step 2 ACCUMULATE transition trigger=micro source=STEP dest=ACCUMULATE",
         "[rank 0] step 2 EXIT transition trigger=finish source=ACCUMULATE dest=EXIT",
     ]
-    # The console saw them in the same order as the file, interleaved with the other events.
-    assert [r.getMessage().split(" ")[5] for r in records_of(caplog)] == [e["event"] for e in events()]
+    # The console saw every event's fields at DEBUG in the same order as the file, transitions
+    # interleaved with the other events; the events people read came as sentences too.
+    fields = [
+        r for r in records_of(caplog) if r.levelno == logging.DEBUG and r.getMessage().startswith("[rank 0] step ")
+    ]
+    assert [r.getMessage().split(" ")[5] for r in fields] == [e["event"] for e in events()]
+    sentences = [r.getMessage() for r in records_of(caplog) if r not in fields]
+    assert [s.split(" ")[0] for s in sentences] == ["Run", "Starting", "Done:"]
 
 
 def test_console_shows_problems_as_warnings_and_errors(make_trainer, caplog):
@@ -304,8 +310,8 @@ def test_console_shows_problems_as_warnings_and_errors(make_trainer, caplog):
         make_trainer(max_steps=2, max_non_finite_grad_retries=1, script={1: "nan", 2: "nan"}).train()
     records = records_of(caplog)
     assert [r.levelno for r in records] == [logging.WARNING, logging.ERROR]
-    assert records[0].getMessage() == "[rank 0] step 1 RETRY non_finite what=gradients retry=1 max=1"
-    assert records[1].getMessage().startswith("[rank 0] step 1 RETRY exception type=RuntimeError message=Step 1: ")
+    assert records[0].getMessage() == "Non-finite gradients at step 1: running the step again (retry 1 of 1)."
+    assert records[1].getMessage().startswith("[rank 0] RuntimeError at step 1 (RETRY): Step 1: ")
     assert "Traceback" not in records[1].getMessage()
 
 
@@ -313,7 +319,7 @@ def test_console_uses_the_logger_given_to_the_trainer(make_trainer, caplog):
     caplog.set_level(logging.INFO)
     make_trainer(max_steps=1, logger=logging.getLogger("my.training")).train()
     assert records_of(caplog, "trainfsm") == []
-    assert records_of(caplog, "my.training")[-1].getMessage() == "[rank 0] step 1 EXIT exit reason=completed code=0"
+    assert records_of(caplog, "my.training")[-1].getMessage() == "Done: completed at step 1 (exit code 0)."
 
 
 def test_console_at_warning_shows_nothing_for_a_clean_run(make_trainer, caplog):
@@ -332,8 +338,8 @@ def test_training_leaves_structlog_and_logging_configuration_alone(make_trainer)
     assert logging.getLogger("trainfsm").level == level
 
 
-def test_render_console_skips_identity_fields():
-    line = render_console(
+def test_the_fields_at_debug_skip_identity_fields():
+    line = details(
         {
             "ts": 1.0,
             "event": "checkpoint_saved",
@@ -348,6 +354,14 @@ def test_render_console_skips_identity_fields():
         }
     )
     assert line == "[rank 3] step 12 CHECKPOINT checkpoint_saved path=/ckpt/12 bytes=10"
+
+
+def test_render_console_is_the_sentence_or_else_the_fields():
+    stall = {"event": "stall", "rank": 1, "step": 87, "state": "ACCUMULATE", "seconds": 62.0, "doing": "a barrier"}
+    assert render_console(stall) == "[rank 1] Stalled 62.0 s at step 87 (ACCUMULATE) in a barrier."
+    assert render_console({"event": "my_event", "rank": 0, "step": 3, "state": "STEP", "x": 1}) == (
+        "[rank 0] step 3 STEP my_event x=1"
+    )
 
 
 def test_recording_hook_sees_the_same_steps_as_the_trail(make_trainer, events):

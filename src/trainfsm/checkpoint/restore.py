@@ -30,7 +30,7 @@ from trainfsm.checkpoint.manifest import MANIFEST
 from trainfsm.checkpoint.store import TRAINFSM, TRAINLOOP, CheckpointError, CheckpointStore, foreign_in_the_way
 from trainfsm.checkpoint.trainloop import is_trainloop
 from trainfsm.checkpoint.trainloop import load as load_trainloop
-from trainfsm.trail.writer import notice
+from trainfsm.trail.console import notice
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer

@@ -27,7 +27,7 @@ from trainfsm.checkpoint.background import BackgroundSaves, stage
 from trainfsm.checkpoint.io import describe_file
 from trainfsm.checkpoint.store import Checkpoint, CheckpointError, CheckpointStore
 from trainfsm.machine import ExitReason
-from trainfsm.trail.writer import notice
+from trainfsm.trail.console import CONSOLE_ONLY, notice
 
 if TYPE_CHECKING:
     from trainfsm.trainer import BaseTrainer
@@ -245,6 +245,8 @@ def log_saved(trainer: BaseTrainer, saved: Saved, blocked: float | None, world: 
         data=saved.data,
         **({"blocked_seconds": round(blocked, 6)} if blocked is not None else {}),
         **({"world_size": world} if world is not None else {}),
+        # The console's line names what the save pruned (one line per save); the trail has its event.
+        **({CONSOLE_ONLY: {"pruned": [str(c.path) for c in saved.pruned]}} if saved.pruned else {}),
     )
     if saved.pruned:
         trainer.events.info("checkpoint_pruned", paths=[str(c.path) for c in saved.pruned])

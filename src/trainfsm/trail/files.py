@@ -16,7 +16,8 @@ gzip, not zstd: on these trails (JSON lines of compact step records) gzip level 
 compress to within a few percent of each other (``benchmarks/trail.py`` prints both), compression
 runs on a thread outside the step, and gzip needs nothing beyond the standard library to read:
 ``zcat`` on any machine, and ``trainfsm audit`` without an extra package. Stdlib only here, so the
-offline commands stay light.
+offline commands stay light. ``FileSink`` is the writer's structlog "logger": the lines go to the
+file through it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import json
 import os
 import re
 import shutil
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Final
 
@@ -158,3 +161,36 @@ def _last_event_in(path: Path) -> dict[str, Any] | None:
         if isinstance(event, dict) and "attempt" in event and "run_id" in event:
             return event
     return None
+
+
+class FileSink:
+    """structlog's final "logger": writes rendered lines; flushes all but debug events. Under the
+    log's lock, so that no line follows the stall watchdog's last ones (``write_out_before_exit``)."""
+
+    def __init__(self, file: IO[bytes], lock: threading.Lock, flushed: Callable[[], None]) -> None:
+        self._lock = lock
+        self._flushed = flushed  # called with the lock held
+        self.info = self.warning = self.error = self.critical = self._write_flush
+        self.retarget(file)
+
+    def retarget(self, file: IO[bytes]) -> None:
+        self._file = file
+
+    def debug(self, line: bytes) -> None:
+        with self._lock:
+            self._file.write(line)
+
+    def _write_flush(self, line: bytes) -> None:
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+            self._flushed()
+
+
+class NullSink:
+    """Without a workspace: events reach the console only."""
+
+    def _drop(self, line: bytes) -> None:
+        return None
+
+    debug = info = warning = error = critical = _drop

@@ -3,8 +3,9 @@
 One JSON object per line, per rank, in ``WORKSPACE/logs/events.rank{R}.jsonl`` (rotated into
 segments: ``trainfsm.trail.files``). Every event carries ``ts`` (seconds since the epoch),
 ``event``, ``rank``, ``step``, ``state``, ``run_id`` and ``attempt``; ``EVENT_FIELDS`` lists each
-event's own fields. The writer is ``trainfsm.trail.writer``, the reader ``trainfsm.trail.reader``. No torch and
-no structlog here: the offline commands import this.
+event's own fields. The writer is ``trainfsm.trail.writer``, the reader ``trainfsm.trail.reader``, what
+the console says of each event ``trainfsm.trail.sentences``. No torch and no structlog here: the
+offline commands import this.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from trainfsm.machine import ExitReason
 FORMAT_VERSION: Final = 4
 READABLE_FORMATS: Final = (1, 2, 3, 4)
 
-#: Event name -> the fields it adds to the common ones. Decision events are INFO for people.
+
+def _names(fields: str) -> tuple[str, ...]:
+    return tuple(fields.split())
+
+
+#: Event name -> the fields it adds to the common ones (a long list as one string of names).
 EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "run_start": ("format", "versions", "world_size", "max_steps", "config", "signals", "torchelastic", "trail"),
     "transition": ("trigger", "source", "dest"),
@@ -33,34 +39,12 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     # step's end; the first's from its own start, which is ``ts`` less the sum of ``dt``).
     "steps": ("first", "micro", "dt"),
     "restore": ("resumed", "from_step"),
-    "data_layout": (
-        "order",
-        "why",
-        "world_size",
-        "rank",
-        "batch_size",
-        "length",
-        "seed",
-        "shuffle",
-        "epoch_batches",
-        "global_batch",
-        "accumulation",
-        "epoch_samples",
+    "data_layout": _names(
+        "order why world_size rank batch_size length seed shuffle epoch_batches global_batch accumulation epoch_samples"
     ),
     "epoch": ("epoch", "fingerprint"),
-    "data_resumed": (
-        "mode",
-        "why",
-        "epoch",
-        "batches",
-        "positioned",
-        "seconds",
-        "from_step",
-        "from_world_size",
-        "global",
-        "exact",
-        "approximate",
-        "rng",
+    "data_resumed": _names(
+        "mode why epoch batches positioned seconds from_step from_world_size global exact approximate rng"
     ),
     "batch_fingerprint": ("after", "from_step", "epoch", "batches", "fingerprint"),
     "data_exhausted": ("epochs", "dropped_micro_batches"),
@@ -68,19 +52,8 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "loss_none": ("micro", "ranks"),
     "non_finite": ("what", "retry", "max", "scale"),
     "oom": ("micro", "phase", "rows", "pieces", "piece_rows", "replays", "retry", "max", "ranks", "message"),
-    "checkpoint_saved": (
-        "path",
-        "saved_step",
-        "bytes",
-        "seconds",
-        "checksum",
-        "kept",
-        "asynchronous",
-        "sharded",
-        "direct_io",
-        "chosen_by",
-        "rates",
-        "data",
+    "checkpoint_saved": _names(
+        "path saved_step bytes seconds checksum kept asynchronous sharded direct_io chosen_by rates data"
     ),
     "checkpoint_loaded": ("path", "from_step", "sharded", "format", "checksum"),
     "checkpoint_not_loaded": ("reason",),
@@ -96,30 +69,11 @@ EVENT_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "checkpoint_failed": ("type", "message"),
     "signal_received": ("signal", "received_at", "at_step", "at_state"),
     "signal_agreed": ("signal", "agreed_step", "reason", "step_ended_at"),
-    "deadline": (
-        "end_time",
-        "decided_at",
-        "left",
-        "needed",
-        "steps",
-        "step_seconds",
-        "save_seconds",
-        "save_measured",
-        "write_seconds",
-        "exit_seconds",
-        "margin",
+    "deadline": _names(
+        "end_time decided_at left needed steps step_seconds save_seconds save_measured write_seconds exit_seconds "
+        "margin"
     ),
-    "job_end": (
-        "end_time",
-        "read_at",
-        "after",
-        "applied",
-        "kill_start",
-        "kill_wait",
-        "kill_at",
-        "job_state",
-        "restarts",
-    ),
+    "job_end": _names("end_time read_at after applied kill_start kill_wait kill_at job_state restarts"),
     "preempted": ("preempt_time", "grace_end", "grace_time", "mode", "read_at", "noticed_at"),
     "signal_passed_on": ("signal", "received_at", "at_state", "disposition"),
     "signals_not_installed": ("reason",),

@@ -2,9 +2,9 @@
 event names and their fields, is ``trainfsm.trail.schema``; the reader ``trainfsm.trail.reader``).
 
 The library never calls ``structlog.configure()``: that is the application's business. It wraps its
-own sink with its own processors instead, so a user's structlog setup is untouched. People get a
-readable rendering through the stdlib logger given to the trainer (``logging.getLogger("trainfsm")``
-by default): decision events at INFO (WARNING/ERROR for problems), every transition at DEBUG.
+own sink with its own processors instead, so a user's structlog setup is untouched. People read the
+events through the stdlib logger given to the trainer (``trainfsm.trail.console``: a sentence each at
+INFO, WARNING or ERROR; the fields, and every transition, at DEBUG).
 
 Transitions are the hot path (two or more per optimizer step). A routine step (the machine's
 ``ROUTINE_*`` rows, nothing else happening) is written as part of one compact ``steps`` record per
@@ -25,7 +25,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import threading
 import time
 import traceback
@@ -37,7 +36,17 @@ from typing import IO, Any, Final
 import structlog
 
 from trainfsm.machine import ROUTINE_END, ROUTINE_NEXT, ROUTINE_START
-from trainfsm.trail.files import SEGMENT_BYTES, compress, next_number, segment_path, unfinished
+from trainfsm.trail import console as people
+from trainfsm.trail.console import render_console as render_console  # the stall watchdog's last words
+from trainfsm.trail.files import (
+    SEGMENT_BYTES,
+    FileSink,
+    NullSink,
+    compress,
+    next_number,
+    segment_path,
+    unfinished,
+)
 from trainfsm.trail.schema import BY, WATCHDOG, transition_event
 
 try:  # orjson renders an event ~5x faster than json; both give the same JSON lines.
@@ -62,41 +71,7 @@ BATCH: Final = 64
 #: after they ended (under a second). No thread: a clock read per step, a write per interval.
 FLUSH_SECONDS: Final = 0.5
 
-_CONSOLE_FIELDS_SKIPPED: Final = frozenset({"ts", "event", "rank", "run_id", "attempt", "traceback", "stack", "by"})
 _START, _NEXT, _END = ROUTINE_START, ROUTINE_NEXT, ROUTINE_END
-
-
-class _FileSink:
-    """structlog's final "logger": writes rendered lines; flushes all but debug events. Under the
-    log's lock, so that no line follows the stall watchdog's last ones (``write_out_before_exit``)."""
-
-    def __init__(self, file: IO[bytes], lock: threading.Lock, flushed: Callable[[], None]) -> None:
-        self._lock = lock
-        self._flushed = flushed  # called with the lock held
-        self.info = self.warning = self.error = self.critical = self._write_flush
-        self.retarget(file)
-
-    def retarget(self, file: IO[bytes]) -> None:
-        self._file = file
-
-    def debug(self, line: bytes) -> None:
-        with self._lock:
-            self._file.write(line)
-
-    def _write_flush(self, line: bytes) -> None:
-        with self._lock:
-            self._file.write(line)
-            self._file.flush()
-            self._flushed()
-
-
-class _NullSink:
-    """Without a workspace: events reach the console only."""
-
-    def _drop(self, line: bytes) -> None:
-        return None
-
-    debug = info = warning = error = critical = _drop
 
 
 class _Run:
@@ -170,12 +145,12 @@ class EventLog:
         processors: list[Any] = [self._drain_first, self._add_progress, self._to_console]
         if self._file is not None:
             processors.append(self._render)
-            self._sink: _FileSink | None = _FileSink(self._file, self._lock, self._flushed)
+            self._sink: FileSink | None = FileSink(self._file, self._lock, self._flushed)
         else:
             processors.append(self._discard)
             self._sink = None
         self.log: Any = structlog.wrap_logger(
-            self._sink if self._sink is not None else _NullSink(),
+            self._sink if self._sink is not None else NullSink(),
             processors=processors,
             wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
             context_class=dict,
@@ -225,7 +200,7 @@ class EventLog:
     def _show(self, ts: float, step: int, row: tuple[str, str, str]) -> None:
         trigger, source, dest = row
         event = {"event": "transition", "rank": self._common["rank"], "step": step, "state": dest}
-        self.console.debug("%s", render_console({**event, "trigger": trigger, "source": source, "dest": dest}))
+        self.console.debug("%s", people.details({**event, "trigger": trigger, "source": source, "dest": dest}))
 
     def _routine_end(self) -> None:
         """A step left ACCUMULATE by ``stepped``: fold it into the open run if it was routine."""
@@ -369,11 +344,9 @@ class EventLog:
         return event
 
     def _to_console(self, _: Any, level: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-        if level == "debug" and not self._console_debug:
-            return event
-        levelno = logging.getLevelName(level.upper())
-        if self.console.isEnabledFor(levelno):
-            self.console.log(levelno, "%s", render_console(event))
+        extra = event.pop(people.CONSOLE_ONLY, None)  # the console's alone, not the trail's
+        if level != "debug" or self._console_debug:
+            people.show(self.console, event, logging.getLevelName(level.upper()), extra)
         return event
 
     @staticmethod
@@ -417,9 +390,7 @@ class EventLog:
                 time.sleep(0.005)
 
     def show(self, level: str, record: dict[str, Any]) -> None:
-        levelno = logging.getLevelName(level.upper())
-        if self.console.isEnabledFor(levelno):
-            self.console.log(levelno, "%s", render_console(record))
+        people.show(self.console, record, logging.getLevelName(level.upper()))
 
     def write_out_before_exit(self, timeout: float = 2.0) -> bool:
         """From another thread, just before it ends the process (the stall watchdog's ``exit``):
@@ -459,30 +430,3 @@ class EventLog:
         if self._compressing is not None:
             self._compressing.join()
             self._compressing = None
-
-
-def notice(console: logging.Logger | logging.LoggerAdapter[logging.Logger], text: str) -> None:
-    """A line people must see (a resume, a preemption's save) even when nobody set up logging.
-
-    When the trainer's logger shows INFO through some handler the event's own line already says
-    it; otherwise (Python's default: WARNING and above only) this prints ``trainfsm: text`` to
-    stderr once.
-    """
-    logger = console.logger if isinstance(console, logging.LoggerAdapter) else console
-    if console.isEnabledFor(logging.INFO) and logger.hasHandlers():
-        return
-    print(f"trainfsm: {text}", file=sys.stderr, flush=True)
-
-
-def render_console(event: MutableMapping[str, Any]) -> str:
-    """One readable line: ``[rank 0] step 12 STEP checkpoint_saved path=... bytes=...``."""
-    fields = " ".join(
-        f"{key}={value}"
-        for key, value in event.items()
-        if key not in _CONSOLE_FIELDS_SKIPPED and key not in ("step", "state") and value is not None
-    )
-    head = f"[rank {event.get('rank', 0)}] step {event.get('step')} {event.get('state')} {event['event']}"
-    stack = event.get("stack")
-    if stack:  # a stall: the innermost frame, not the whole stack
-        fields = f"{fields} at={stack[-1]}"
-    return f"{head} {fields}" if fields else head
