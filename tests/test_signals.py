@@ -453,7 +453,7 @@ def test_no_notice_on_stderr_when_the_logger_already_shows_the_events(
         shown.handlers.clear()
     captured = capsys.readouterr()
     assert "trainfsm:" not in captured.err
-    assert "checkpoint_loaded" in captured.out
+    assert "Resuming from checkpoint 2 (attempt 1)" in captured.out  # the resume, as the console says it
 
 
 def test_a_ctrl_c_while_the_machine_is_set_up_is_recorded_as_the_runs_failure(
