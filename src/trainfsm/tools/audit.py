@@ -31,7 +31,9 @@ means the run went on (it was resumed or restarted), by ``kind``:
   the message says why): nothing will resume the run;
 - ``stalled``: in the last attempt a rank's stall watchdog ended the process (exit reason
   ``stalled``, code 75), or a rank's trail ends in a ``stall`` that never cleared (a run that hangs,
-  or hung until something killed it). A stall that cleared is not a problem: the rank went on;
+  or hung until something killed it, or until the collective it waited in failed at the process
+  group's timeout: not cleared, and the rank's ``failed`` is told in it, as the stall's
+  consequence). A stall that cleared is not a problem: the rank went on;
 - ``ledger``: the data ledger (``trainfsm.tools.ledger``) found a micro-batch (or, across world
   sizes, a position of an epoch's order) kept twice or never, in any attempt: a resume that restored
   another position than its checkpoint saved, a loader that resumed elsewhere, a start from scratch
