@@ -187,7 +187,7 @@ def _cause(report: TraceReport, attempt: AttemptReport) -> str | None:
     first = min(own, key=lambda record: record.ts)
     data = first.data
     return (
-        f"  cause: rank {first.rank} at step {first.step} ({first.state}): {data.get('type')}: "
+        f"  cause: rank {first.rank} in {position(first.state, first.step)}: {data.get('type')}: "
         f"{_short(data.get('message'))} ({first.where()}){after}"
     )
 
