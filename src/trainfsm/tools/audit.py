@@ -386,7 +386,7 @@ def _stalled_problem(last: AttemptReport, stalled: list[RankAttempt]) -> Problem
 
 
 def _stall_failed(r: RankAttempt) -> bool:
-    """The rank's collective failed while it waited in a stall (``Replay._collective_failed``)."""
+    """The rank's collective failed while it waited in a stall (``trainfsm.tools.stall_replay.collective_failed``)."""
     return r.stall_open is not None and r.stall_open.get("ended") == "collective_failed"
 
 

@@ -47,7 +47,7 @@ def stall(replay: Replay, record: Record) -> None:
 def stall_cleared(replay: Replay, record: Record) -> None:
     stall = replay.result.stall_open
     if stall is not None and stall.get("ended") is not None:
-        return  # the rank did not move on: its collective failed (``_collective_failed``), still stalled
+        return  # the rank did not move on: its collective failed (``collective_failed``), still stalled
     if stall is not None:
         stall["cleared"] = record.data.get("seconds")
     replay.result.stall_open = None
@@ -60,7 +60,6 @@ def collective_failed(replay: Replay, record: Record) -> None:
     stall = replay.result.stall_open
     if stall is not None and stall.get("collective"):
         stall["ended"] = "collective_failed"
-        stall["ended_ts"] = record.ts
 
 
 def innermost_own(stack: list[str]) -> str | None:
