@@ -70,9 +70,11 @@ def test_a_job_whose_ranks_all_died_at_once_is_one_line_of_run_problems(tmp_path
     assert report.consistent and not report.ended_well
     [killed] = report.run_problems
     assert killed.kind == "killed"
-    assert killed.message.startswith("attempt 0: ranks 0-63 killed: no exit event, their trails end in STEP at step 81")
+    assert killed.message.startswith(
+        "attempt 0: ranks 0-63 killed: no exit event, their trails end in STEP running step 81"
+    )
     text = render(report)
-    assert "exit: none: ranks 0-63 killed at their last records: STEP at step 81" in text
+    assert "exit: none: ranks 0-63 killed at their last records: STEP running step 81" in text
     assert len(text.splitlines()) <= 20, text  # 20: the data ledger's line and its "checked" line included
 
 

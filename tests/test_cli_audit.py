@@ -33,6 +33,7 @@ from tests.cli_helpers import (
 from tests.helpers import TinyTrainer, make_batches
 from trainfsm import CheckpointingHook
 from trainfsm.tools.audit import PROBLEM_KINDS, RUN_PROBLEM_KINDS, SCHEMA
+from trainfsm.tools.words import position
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -204,7 +205,7 @@ def test_a_real_sigkill_not_resumed_is_a_run_problem_at_its_last_record(
     assert [(p["kind"], p["rank"], p["attempt"], p["line"]) for p in report["run_problems"]] == [
         ("killed", 0, 0, killed["line"])
     ]
-    assert f"ends in {last['state']} at step {last['step']}" in report["run_problems"][0]["message"]
+    assert f"ends in {position(last['state'], last['step'])}" in report["run_problems"][0]["message"]
     code, out, _ = cli(capsys, "audit", workspace)
     assert code == 1 and out.rstrip().splitlines()[-1] == "run problems: killed"
     assert f"killed at its last record ({trail(workspace)}:{killed['line']})" in out

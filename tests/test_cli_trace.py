@@ -98,7 +98,7 @@ def test_a_trail_that_ends_in_step_gives_one_step_number(
     code, report = audit_json(capsys, path)
     (killed,) = report["attempts"][0]["killed_at"]
     assert code == 1 and (killed["state"], killed["step"]) == ("STEP", running)
-    assert f"its trail ends in STEP at step {running}," in report["run_problems"][0]["message"]
+    assert f"its trail ends in STEP running step {running}," in report["run_problems"][0]["message"]
 
 
 def test_an_inconsistent_trail_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -217,7 +217,7 @@ def test_exception_on_one_rank_that_exits_fails_the_other_at_once_with_a_note(tm
     assert audit_problems(tmp_path / "run") == []  # both ranks failed at the same step, same exit
     story = render(trace([tmp_path / "run"]))
     assert story.splitlines()[1].startswith(
-        "  cause: rank 1 at step 2 (ACCUMULATE): RuntimeError: injected failure on rank 1 at step 2 ("
+        "  cause: rank 1 in ACCUMULATE running step 2: RuntimeError: injected failure on rank 1 at step 2 ("
     )
     assert story.splitlines()[1].endswith("; rank(s) 0 then failed in a collective")
 

@@ -168,4 +168,4 @@ def test_a_rank_failing_at_every_attempt_stops_after_max_restarts_with_the_failu
     failures = [e for e in events(workspace, 1) if e["event"] == "exception"]
     assert [(e["attempt"], e["message"]) for e in failures] == [(a, "injected failure at step 3") for a in range(3)]
     text = trace.render(trace.trace([workspace]))
-    assert text.count("cause: rank 1 at step 3 (ACCUMULATE): RuntimeError: injected failure at step 3") == 3, text
+    assert text.count("cause: rank 1 in ACCUMULATE running step 3: RuntimeError: injected failure at step 3") == 3, text

@@ -400,7 +400,7 @@ def test_audit_reports_the_stall_as_a_run_problem_with_exit_status_1(stuck_run: 
         [sys.executable, "-m", "trainfsm", "audit", str(workspace)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 1, done.stdout
-    assert ("[stalled] attempt 0 stalled: rank 0 in ACCUMULATE at step 3 for 0.") in done.stdout
+    assert ("[stalled] attempt 0 stalled: rank 0 in ACCUMULATE running step 3 for 0.") in done.stdout
     assert (
         " s: forward; the stall watchdog ended rank 0 (exit code 75); no later attempt (trainfsm trace tells more)"
     ) in done.stdout
@@ -467,7 +467,7 @@ def test_the_audit_report_lists_each_stall_once_with_its_reports(tmp_path: Path)
     assert stall["reports"] in (2, 3) and stall["cleared"] is not None and stall["cleared"] >= 1.0
     assert stall["at"].endswith("SleepyTrainer.forward")
     text = audit.render(audit.audit([tmp_path]))
-    assert "  stall on rank 0: ACCUMULATE at step 2, " in text and "cleared after" in text
+    assert "  stall on rank 0: ACCUMULATE running step 2, " in text and "cleared after" in text
 
 
 # ---------------------------------------------------------------- on CUDA (the GPU tier)

@@ -20,6 +20,8 @@ from tests.distributed.launch import events
 from tests.faults import stall
 from tests.faults.elastic_restart import reap
 from trainfsm.tools import audit, trace
+from trainfsm.tools.report import render
+from trainfsm.tools.words import RUNNING
 
 pytestmark = [
     pytest.mark.skipif(sys.platform != "linux", reason="torchrun, SIGSTOP: Linux"),
@@ -28,6 +30,7 @@ pytestmark = [
 ]
 
 BUDGET = 4.0  # seconds: every state's, so BUILD on a busy machine stays under it
+GROUP_TIMEOUT = 12.0  # seconds: the process group's, for the frozen rank's collective to fail
 
 
 def wait_for(what: Any, process: Any, log: Path, timeout: float = 120) -> Any:
@@ -72,11 +75,14 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> list[torch.Tensor]:
     return torch.load(directory / "ws" / "final.pt")  # type: ignore[no-any-return]
 
 
-def test_a_frozen_rank_makes_the_other_record_the_collective_it_waits_in_and_trace_names_the_frozen_rank(
+def test_a_frozen_rank_makes_the_other_record_the_collective_it_waits_in_and_stays_the_cause_after_the_timeout(
     tmp_path: Path,
 ) -> None:
+    """Read while the job hangs, then again once the process group's timeout failed rank 0's
+    collective (issue 51): the same cause (rank 1, frozen) both times, and one step number per rank
+    (rank 0 wrote out its queued records at its first stall report)."""
     workspace, log = tmp_path / "ws", tmp_path / "log"
-    process = stall.torchrun(workspace, log, "--stall-timeout", str(BUDGET))
+    process = stall.torchrun(workspace, log, "--stall-timeout", str(BUDGET), "--timeout", str(GROUP_TIMEOUT))
     pid = None
     try:
         wait_for(lambda: training_past(workspace, 1, 12), process, log)
@@ -84,6 +90,13 @@ def test_a_frozen_rank_makes_the_other_record_the_collective_it_waits_in_and_tra
         (first, *_) = wait_for(lambda: stalls(workspace, 0), process, log, timeout=60)
         text = trace.render(trace.trace([workspace]))
         report = audit.audit([workspace])
+        before = text, report
+
+        def failed() -> bool:
+            return any(e["event"] == "exit" for e in events(workspace, 0))
+
+        wait_for(failed, process, log, timeout=60)
+        after = trace.render(trace.trace([workspace])), audit.audit([workspace])
     finally:
         reap(process, [pid] if pid else [])
     assert first["collective"] is not None, first
@@ -99,7 +112,38 @@ def test_a_frozen_rank_makes_the_other_record_the_collective_it_waits_in_and_tra
     assert stalled.message.startswith(
         "attempt 0 stalled: rank 1 went quiet (frozen or killed) while the others waited; "
     )
-    assert f"rank 0 in {first['state']} at step {first['step']}" in stalled.message
+    assert f"rank 0 in {trace.position(first['state'], first['step'])} for " in stalled.message
+
+    (stall0, *_) = stalls(workspace, 0)
+    assert stall0["collective"] is not None, stall0
+    note = next(e for e in events(workspace, 0) if e["event"] == "collective_failed")["note"]
+    assert "after waiting in it for" in note and "The cause is the stall" in note, note
+    assert "the first 'exception' event" not in note  # a frozen rank has none
+    for when, (text, read) in (("hanging", before), ("after the timeout", after)):
+        why = f"{when}:\n{text}\n{render(read)}"
+        # the cause: rank 1, frozen; rank 0 waits in a collective (its stall is not cleared by the timeout)
+        assert "held up by: rank 1: no record for " in text and "frozen or killed" in text, why
+        assert "cause: killed" not in text and "cleared after" not in text, why
+        assert {p.kind for p in read.run_problems} == {"killed", "stalled"}, why
+        (stalled,) = [p for p in read.run_problems if p.kind == "stalled"]
+        assert stalled.message.startswith(
+            "attempt 0 stalled: rank 1 went quiet (frozen or killed) while the others waited; "
+        ), why
+        # one step number per rank: rank 0's trail reaches its stall's step (its queued records were
+        # written out at the first report), and trace and audit word each rank's step the same way
+        (attempt,) = read.attempts
+        rank0, rank1 = attempt.ranks
+        where0 = trace.position(stall0["state"], stall0["step"])
+        # steps done: those before the one it stalled in, if it stalled running one (not in CHECKPOINT)
+        assert rank0.last_step == stall0["step"] - (stall0["state"] in RUNNING), why
+        assert f"waiting: rank 0: in {where0} " in text and f"rank 0 in {where0} for " in stalled.message, why
+        assert f"stall on rank 0: {where0}, " in render(read), why
+        where1 = trace.position(rank1.end_state, rank1.end_step)
+        assert f"last in {where1} (" in text and f"rank 1: the trail ends in {where1} (" in text, why
+        (killed,) = [p for p in read.run_problems if p.kind == "killed"]
+        assert f"its trail ends in {where1}," in killed.message, why
+    assert f"rank 0: the trail ends in {where0} (" in before[0]
+    assert "after a stall: the collective rank 0 waited in failed" in after[0]
 
 
 @pytest.mark.slow  # the fast tier's distributed stall is the frozen rank above

@@ -355,13 +355,29 @@ def trails(logs: Path | None, rank: int, world: int) -> list[str] | None:
     return [str(logs / files.active_name(1 - rank if world == 2 else "*"))]
 
 
-def collective_note(rank: int, world: int, step: int, state: str, logs: Path | None) -> str:
-    """The note added to a failed collective's error: what most likely happened, where to look."""
+def collective_note(
+    rank: int, world: int, step: int, state: str, logs: Path | None, stalled: float | None = None
+) -> str:
+    """The note added to a failed collective's error: what most likely happened, where to look.
+    ``stalled``: this rank's stall watchdog had reported it stuck for that many seconds (a peer that
+    hangs: the group's timeout ended the wait, and the cause is the peer's stall, not an exception)."""
     timeout = group_timeout()
     bound = f" ({timeout.total_seconds():g} s)" if timeout is not None else ""
     paths = trails(logs, rank, world)
     other = f"rank {1 - rank}" if world == 2 else "another rank"
     whose, trail = ("its", "trail") if world == 2 else ("the other ranks'", "trails")
+    if stalled is not None:
+        where = (
+            f"{whose} {trail} {paths[0]}: a 'stall' event (stuck, alive), or where it ends (a frozen or killed "
+            f"rank writes nothing more); `trainfsm trace` on the workspace names the rank that held the others up"
+            if paths is not None
+            else f"{whose} output (no workspace, so no trail files)"
+        )
+        return (
+            f"trainfsm: rank {rank} of {world} failed in a collective at step {step} ({state}) after waiting in it "
+            f"for {stalled:.0f} s (its stall watchdog reported it): {other} held it up (stuck, frozen or killed) "
+            f"until the process-group timeout{bound} ended the wait. The cause is the stall: see {where}."
+        )
     where = (
         f"{whose} {trail} {paths[0]} (the first 'exception' event) and output"
         if paths is not None
@@ -376,13 +392,20 @@ def collective_note(rank: int, world: int, step: int, state: str, logs: Path | N
 
 
 def failed_collective(
-    exc: BaseException, rank: int, world: int, step: int, state: str, logs: Path | None
+    exc: BaseException,
+    rank: int,
+    world: int,
+    step: int,
+    state: str,
+    logs: Path | None,
+    stalled: float | None = None,
 ) -> dict[str, Any] | None:
     """When ``exc`` looks like a collective that failed because of another rank: add the note to
-    it (the type is kept) and return the ``collective_failed`` event's fields; else None."""
+    it (the type is kept) and return the ``collective_failed`` event's fields; else None.
+    ``stalled``: the seconds this rank's stall watchdog had it stuck (``Watchdog.stalled_for``)."""
     if world == 1 or not is_collective_error(exc):
         return None
-    note = collective_note(rank, world, step, state, logs)
+    note = collective_note(rank, world, step, state, logs, stalled)
     add_note(exc, note)
     return {"note": note, "trails": trails(logs, rank, world)}
 

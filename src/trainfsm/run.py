@@ -298,7 +298,10 @@ class Run:
         if isinstance(exc, torch.OutOfMemoryError) and not trainer.max_oom_retries:
             hint = "trainfsm: BaseTrainer(max_oom_retries=N) would run the step again in smaller micro-batches"
             exc.add_note(hint)  # type: ignore[attr-defined]
-        failed = failed_collective(exc, trainer.rank, trainer.world_size, trainer.step, trainer.state, self.logs)
+        stalled = self.watchdog.stalled_for() if self.watchdog is not None else None  # the note names the stall
+        failed = failed_collective(
+            exc, trainer.rank, trainer.world_size, trainer.step, trainer.state, self.logs, stalled
+        )
         if failed is not None:  # most likely another rank's failure: the note says where to look
             trainer.events.error("collective_failed", **failed)
             stopped_by = self.preemption.stopped_for_restart()

@@ -8,7 +8,8 @@ transitions (``trainfsm.machine.Progress``: one attribute write per transition, 
 the step's path); the thread reads that count ``TICKS_PER_SECOND`` times a second. When the count
 stays the same for longer than the state's budget, it writes a ``stall`` event at once (state, step,
 micro-batch, seconds, and what the main thread is doing, read from its stack by
-``trainfsm.activity``), again at 2x, 4x, ... the budget, and ``stall_cleared`` when the rank moves
+``trainfsm.activity``; the first report writes out the records the stuck thread had queued, so the
+trail reaches the step the stall names), again at 2x, 4x, ... the budget, and ``stall_cleared`` when the rank moves
 again. With ``stall_action="exit"`` the first report is followed by a requeue under SLURM (the
 preemption's rules) and the end of the process with ``STALL_EXIT_CODE``, so ``torchrun
 --max-restarts`` or the requeued job resumes from the newest checkpoint; unless the attempt before
@@ -176,6 +177,13 @@ class Watchdog:
             self._moves = -1  # moved: the caller is the thread that was stuck
             self.look(time.monotonic())
 
+    def stalled_for(self) -> float | None:
+        """Seconds this rank has been stuck, when a stall was reported and it has not moved since
+        (the trainer's thread, as a collective fails: the note points at the stall); else None."""
+        if not self._reports:
+            return None
+        return time.monotonic() - self._since
+
     def _watch(self) -> None:
         wait = self._stop.wait
         tick = 1.0 / TICKS_PER_SECOND
@@ -316,7 +324,17 @@ class Watchdog:
         if self.action == "exit":
             self._end(STALL_EXIT_CODE, stall)
         else:
+            if self._reports == 1:  # the trail up to where it stuck first, as the exit does: one step number
+                _within(EXIT_WRITE_SECONDS, self._write_out)
             self.event_log.write_from_thread("warning", "stall", self._step, self._state, **stall)
+
+    def _write_out(self) -> None:
+        """What the stuck thread recorded and had not written yet (its last steps, the step in flight),
+        so the trail reaches the step the stall names. The lock's wait is bounded (a trainer's thread
+        stuck in a write of its own holds it: nothing is written out) and the lock is handed back on
+        this thread, after the write, however long a stalled file system makes it take."""
+        if self.event_log.write_out_before_exit(EXIT_WRITE_SECONDS / 2):
+            self.event_log.hand_back()
 
     def _end(self, code: int, stall: dict[str, Any]) -> None:
         """Write out what the stuck thread recorded, the stall, requeue under SLURM, record the

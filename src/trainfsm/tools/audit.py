@@ -31,7 +31,9 @@ means the run went on (it was resumed or restarted), by ``kind``:
   the message says why): nothing will resume the run;
 - ``stalled``: in the last attempt a rank's stall watchdog ended the process (exit reason
   ``stalled``, code 75), or a rank's trail ends in a ``stall`` that never cleared (a run that hangs,
-  or hung until something killed it). A stall that cleared is not a problem: the rank went on;
+  or hung until something killed it, or until the collective it waited in failed at the process
+  group's timeout: not cleared, and the rank's ``failed`` is told in it, as the stall's
+  consequence). A stall that cleared is not a problem: the rank went on;
 - ``ledger``: the data ledger (``trainfsm.tools.ledger``) found a micro-batch (or, across world
   sizes, a position of an epoch's order) kept twice or never, in any attempt: a resume that restored
   another position than its checkpoint saved, a loader that resumed elsewhere, a start from scratch
@@ -70,16 +72,8 @@ from typing import Any, Final
 from trainfsm.machine import STALL_EXIT_CODE, ExitReason
 from trainfsm.tools import ledger, preemption_timing
 from trainfsm.tools.replay import Problem, RankAttempt, Replay
-from trainfsm.tools.report import (
-    SCHEMA,
-    AttemptReport,
-    AuditReport,
-    first_line,
-    group_by,
-    ranks_text,
-    render,
-    since_text,
-)
+from trainfsm.tools.report import SCHEMA, AttemptReport, AuditReport, render
+from trainfsm.tools.words import first_line, group_by, position, ranks_text, since_text
 from trainfsm.trail.files import closed_segments
 from trainfsm.trail.reader import Note, Record, Trail, TrailError, open_trail, read_records
 
@@ -303,7 +297,7 @@ def _run_problems(attempts: list[AttemptReport]) -> list[Problem]:
             Problem(
                 "killed",
                 f"attempt {last.attempt}: {ranks_text([x['rank'] for x in killed])} killed: no exit event, "
-                f"{'its trail ends' if len(killed) == 1 else 'their trails end'} in {state} at step {step}{since}; "
+                f"{'its trail ends' if len(killed) == 1 else 'their trails end'} in {position(state, step)}{since}; "
                 f"no later attempt resumed {'it' if len(killed) == 1 else 'them'}",
                 k["file"],
                 k["line"],
@@ -312,7 +306,8 @@ def _run_problems(attempts: list[AttemptReport]) -> list[Problem]:
             )
         )
     for reason in (ExitReason.FAILED, ExitReason.INTERRUPTED):
-        ranks = [r for r in last.ranks if (r.exit or {}).get("reason") == reason]
+        # A collective that failed in a stall is the stall's consequence: the stalled problem says it.
+        ranks = [r for r in last.ranks if (r.exit or {}).get("reason") == reason and not _stall_failed(r)]
         if not ranks:
             continue
         r = ranks[0]
@@ -359,18 +354,25 @@ def _stalled_problem(last: AttemptReport, stalled: list[RankAttempt]) -> Problem
     for r in stuck + waiting:
         stall = r.stall_open or (r.stalls[-1] if r.stalls else None)
         if stall is None:
-            parts.append(f"rank {r.rank} at step {r.end_step}")
+            parts.append(f"rank {r.rank} in {position(r.end_state, r.end_step)}")
             continue
         doing = stall["doing"] or "not in the trainer's own code"
-        parts.append(f"rank {r.rank} in {stall['state']} at step {stall['step']} for {stall['seconds']:.1f} s: {doing}")
+        where = position(stall["state"], stall["step"])
+        parts.append(f"rank {r.rank} in {where} for {stall['seconds']:.1f} s: {doing}")
     if quiet and not stuck:
         parts.insert(0, f"{ranks_text([r.rank for r in quiet])} went quiet (frozen or killed) while the others waited")
     ended = [r for r in stalled if (r.exit or {}).get("reason") == ExitReason.STALLED]
-    how = (
-        f"the stall watchdog ended {ranks_text([r.rank for r in ended])} (exit code {STALL_EXIT_CODE})"
-        if ended
-        else "the trail ends in the stall"
-    )
+    failed = [r for r in stalled if _stall_failed(r)]
+    if ended:
+        how = f"the stall watchdog ended {ranks_text([r.rank for r in ended])} (exit code {STALL_EXIT_CODE})"
+    elif failed:
+        codes = sorted({str((r.exit or {}).get("code")) for r in failed})
+        how = (
+            f"then the collective {ranks_text([r.rank for r in failed])} waited in failed (the process group's "
+            f"timeout): exit {(failed[0].exit or {}).get('reason', 'none')} (code {', '.join(codes)})"
+        )
+    else:
+        how = "the trail ends in the stall"
     first = (stuck + waiting)[0]
     stall = first.stall_open or (first.stalls[-1] if first.stalls else None)
     return Problem(
@@ -381,6 +383,11 @@ def _stalled_problem(last: AttemptReport, stalled: list[RankAttempt]) -> Problem
         first.rank,
         last.attempt,
     )
+
+
+def _stall_failed(r: RankAttempt) -> bool:
+    """The rank's collective failed while it waited in a stall (``trainfsm.tools.stall_replay.collective_failed``)."""
+    return r.stall_open is not None and r.stall_open.get("ended") == "collective_failed"
 
 
 #: What every rank of an attempt must agree on: (label, value of a rank).

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final
 
 from trainfsm.tools import coverage
-from trainfsm.tools.report import group_by, ranks_text
+from trainfsm.tools.words import group_by, ranks_text
 
 if TYPE_CHECKING:
     from trainfsm.tools.ledger import Check, Position, Segment

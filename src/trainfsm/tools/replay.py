@@ -3,16 +3,17 @@ into a ``RankAttempt`` (what the rank did) and records a ``Problem`` for each li
 
 The rules (rows of the table, the step numbers, the state each event was written in) are those of
 ``trainfsm.tools.audit``, which reads the trail, runs one replay per (attempt, rank) and compares
-the replays across ranks and attempts.
+the replays across ranks and attempts. What a replay gives (``Problem``, ``RankAttempt``) is in
+``trainfsm.tools.rank_attempt``; the stall watchdog's events are folded by ``trainfsm.tools.stall_replay``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 from trainfsm import machine as fsm
-from trainfsm.tools.ledger_count import DataCount
+from trainfsm.tools import stall_replay
+from trainfsm.tools.rank_attempt import Problem, RankAttempt
 from trainfsm.trail.reader import Record
 from trainfsm.trail.schema import BY, EVENT_FIELDS, EXIT_REASONS
 
@@ -25,85 +26,7 @@ _STEP_DONE: Final = frozenset({"stepped", "save", "finish"})
 #: ``exit_wait``, SLURM's kill after a requeue) is recorded, not lost.
 AFTER_EXIT: Final = frozenset({"signal_received"})
 
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One inconsistency, or one way the run did not end well, pointing at the line that shows it."""
-
-    kind: str
-    message: str
-    file: str | None = None
-    line: int | None = None
-    rank: int | None = None
-    attempt: int | None = None
-
-    def where(self) -> str:
-        if self.file is None:
-            return ""
-        return f"{self.file}:{self.line}" if self.line is not None else self.file
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "message": self.message,
-            "file": self.file,
-            "line": self.line,
-            "rank": self.rank,
-            "attempt": self.attempt,
-        }
-
-
-@dataclass(slots=True)
-class RankAttempt:
-    """What one rank did in one attempt, as replayed from its trail."""
-
-    rank: int
-    attempt: int
-    file: str
-    run_id: str | None = None
-    world_size: int | None = None
-    torchelastic: dict[str, Any] | None = None  # run_start's: torchrun's restart count, max restarts
-    events: int = 0
-    start: str | None = None
-    resumed_from_step: int | None = None
-    first_step: int | None = None
-    last_step: int | None = None
-    steps_done: int = 0
-    micro_batches: int = 0
-    loss_none: int = 0
-    loss_none_at: list[str] = field(default_factory=list)  # "step S micro M" of each skipped micro-batch
-    retries: list[dict[str, Any]] = field(default_factory=list)
-    scaler_skips: list[int] = field(default_factory=list)
-    ooms: list[dict[str, Any]] = field(default_factory=list)  # out-of-memory retries: step, pieces, phase, micro
-    checkpoint_steps: list[int] = field(default_factory=list)
-    saved: list[dict[str, Any]] = field(default_factory=list)
-    loaded: list[dict[str, Any]] = field(default_factory=list)
-    skipped: list[dict[str, Any]] = field(default_factory=list)
-    failed: list[dict[str, Any]] = field(default_factory=list)
-    received: list[dict[str, Any]] = field(default_factory=list)
-    agreed: dict[str, Any] | None = None
-    exceptions: list[dict[str, Any]] = field(default_factory=list)
-    requeue: dict[str, Any] | None = None
-    requeue_line: int | None = None
-    exit: dict[str, Any] | None = None
-    exit_line: int | None = None
-    format: int | None = None  # run_start's trail format
-    # The data ledger (``trainfsm.tools.ledger``): where this rank's data stood, counted from the trail.
-    data: DataCount = field(default_factory=DataCount)
-    not_loaded: bool = False  # CheckpointingHook(load=None): a fresh start asked for
-    stalls: list[dict[str, Any]] = field(default_factory=list)  # each stall (its first report), cleared or not
-    stall_open: dict[str, Any] | None = None  # the last stall, while no stall_cleared followed it
-    # A preemption's times (``trainfsm.tools.preemption_timing``): run_start's job end, the step's
-    # end and the agreement (signal_agreed), the deadline's figures, job_end, the exit's ts.
-    timing: dict[str, Any] = field(default_factory=dict)
-    # DDP's bucket layout (``trainfsm.ddp_buckets``): why this attempt's differs from the saved one's.
-    buckets_problem: str | None = None
-    end_state: str = fsm.BUILD
-    end_step: int = 0
-    end_line: int = 0
-    started_at: float = 0.0
-    ended_at: float = 0.0
-    previous_at: float | None = None  # the time of the record before the last one
+__all__ = ["AFTER_EXIT", "Problem", "RankAttempt", "Replay"]
 
 
 class Replay:
@@ -417,41 +340,6 @@ class Replay:
         }
         self.result.requeue_line = record.line
 
-    def _stall(self, record: Record) -> None:
-        data = record.data
-        report = {
-            "rank": record.rank,
-            "state": record.state,
-            "step": record.step,
-            "ts": record.ts,
-            "seconds": data.get("seconds"),
-            "doing": data.get("doing"),
-            "collective": data.get("collective"),
-            "hook": data.get("hook"),
-            "at": innermost_own(data.get("stack") or []),
-            "reports": data.get("report"),
-            "line": record.line,
-        }
-        if self.result.stall_open is not None and data.get("report", 1) > 1:
-            self.result.stall_open.update(
-                seconds=report["seconds"],
-                reports=report["reports"],
-                last_ts=record.ts,
-                doing=report["doing"],
-                collective=report["collective"],
-                at=report["at"],
-            )
-            return
-        report["first_ts"] = report["last_ts"] = record.ts
-        report["cleared"] = None
-        self.result.stalls.append(report)
-        self.result.stall_open = report
-
-    def _stall_cleared(self, record: Record) -> None:
-        if self.result.stall_open is not None:
-            self.result.stall_open["cleared"] = record.data.get("seconds")
-        self.result.stall_open = None
-
     def _exit(self, record: Record) -> None:
         reason = record.data.get("reason")
         if reason not in EXIT_REASONS:
@@ -469,15 +357,6 @@ class Replay:
             self.result.buckets_problem = "DDP did not rebuild its buckets as primed"
         elif action == "checked" and data.get("same_order") is False:
             self.result.buckets_problem = "the gradients became ready in another order than in the saved run"
-
-
-def innermost_own(stack: list[str]) -> str | None:
-    """The innermost frame of a stall's stack that is the user's or the trainer's, not a library's
-    (site-packages, the standard library, frozen imports): where to look first."""
-    for frame in reversed(stack):
-        if "site-packages" not in frame and "/lib/python" not in frame and not frame.startswith("<"):
-            return frame
-    return stack[-1] if stack else None
 
 
 _HANDLERS: Final = {
@@ -504,7 +383,8 @@ _HANDLERS: Final = {
     "epoch": Replay._epoch,
     "data_exhausted": Replay._data_exhausted,
     "batch_fingerprint": Replay._batch_fingerprint,
-    "stall": Replay._stall,
-    "stall_cleared": Replay._stall_cleared,
+    "stall": stall_replay.stall,
+    "stall_cleared": stall_replay.stall_cleared,
+    "collective_failed": stall_replay.collective_failed,
     "ddp_buckets": Replay._ddp_buckets,
 }

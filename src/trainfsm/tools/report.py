@@ -56,7 +56,8 @@ added)::
                     "seconds": float, "reports": int,          # the longest reported, and how many
                     "doing": str|null, "collective": str|null, "hook": str|null,
                     "at": str|null,                            # the innermost frame, file:line function
-                    "cleared": float|null}],                   # seconds until it moved again; null: never
+                    "cleared": float|null,                     # seconds until it moved again; null: never
+                    "ended": "collective_failed"|null}],        # how a stall not cleared ended, if it did
         "requeue": {"ok": bool, "command": str|null, "message": str,
                     "requeued_by": "trainer" | "slurm" | null} | null,
         "exit": {"reason": str, "code": int} | null,   # null: no exit event on the first rank
@@ -89,13 +90,22 @@ audit's own problems, so that a problem and the report name ranks the same way.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from trainfsm.machine import ExitReason
-from trainfsm.tools import preemption_timing
+from trainfsm.tools import preemption_timing, report_fields
 from trainfsm.tools.replay import Problem, RankAttempt
+from trainfsm.tools.words import (
+    first_line,
+    group_by,
+    position,
+    ranks_text,
+    requeue_text,
+    since_text,
+    stall_end_text,
+)
 from trainfsm.trail.reader import Note
 
 SCHEMA: Final = "trainfsm.audit/1"
@@ -163,7 +173,7 @@ class AttemptReport:
             "signals": {"received": [s for r in self.ranks for s in r.received], "agreed": first.agreed},
             "preemption": preemption_timing.entry(self.ranks),
             "exceptions": [e for r in self.ranks for e in r.exceptions],
-            "stalls": [_stall_dict(s) for r in self.ranks for s in r.stalls],
+            "stalls": [report_fields.stall_dict(s) for r in self.ranks for s in r.stalls],
             "requeue": first.requeue,
             "exit": first.exit,
             "ended": self.ended(),
@@ -173,35 +183,8 @@ class AttemptReport:
             "end": {"state": first.end_state, "step": first.end_step},
             "started_at": min(r.started_at for r in self.ranks),
             "ended_at": max(r.ended_at for r in self.ranks),
-            "per_rank": [_rank_dict(r) for r in self.ranks],
+            "per_rank": [report_fields.rank_dict(r) for r in self.ranks],
         }
-
-
-def _stall_dict(stall: dict[str, Any]) -> dict[str, Any]:
-    keys = ("rank", "state", "step", "seconds", "reports", "doing", "collective", "hook", "at", "cleared")
-    return {key: stall.get(key) for key in keys}
-
-
-def _rank_dict(r: RankAttempt) -> dict[str, Any]:
-    return {
-        "rank": r.rank,
-        "file": r.file,
-        "run_id": r.run_id,
-        "world_size": r.world_size,
-        "events": r.events,
-        "first_step": r.first_step,
-        "last_step": r.last_step,
-        "steps_done": r.steps_done,
-        "micro_batches": r.micro_batches,
-        "retry_steps": [x["step"] for x in r.retries],
-        "checkpoint_steps": r.checkpoint_steps,
-        "loaded_step": r.loaded[-1]["step"] if r.loaded else None,
-        "agreed_step": r.agreed["step"] if r.agreed else None,
-        "exit": r.exit,
-        "end": {"state": r.end_state, "step": r.end_step},
-        "started_at": r.started_at,
-        "ended_at": r.ended_at,
-    }
 
 
 @dataclass(slots=True)
@@ -367,12 +350,11 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
     for (kind, message), alike in group_by(data["exceptions"], lambda e: (e["type"], first_line(e["message"]))).items():
         lines.append(f"  exception on {ranks_text([e['rank'] for e in alike])}: {kind}: {message}")
     for stall in data["stalls"][:SECTION_LINES]:
-        cleared = f"cleared after {stall['cleared']:.1f} s" if stall["cleared"] is not None else "never cleared"
         doing = f": {stall['doing']}" if stall["doing"] else ""
         reports = "its one report" if stall["reports"] == 1 else f"the last of {stall['reports']} reports"
         lines.append(
-            f"  stall on rank {stall['rank']}: {stall['state']} at step {stall['step']}, "
-            f"{stall['seconds']:.1f} s at {reports}, {cleared}{doing}"
+            f"  stall on rank {stall['rank']}: {position(stall['state'], stall['step'])}, "
+            f"{stall['seconds']:.1f} s at {reports}, {stall_end_text(stall)}{doing}"
         )
     if first.requeue is not None:
         lines.append(f"  requeue: {requeue_text(first.requeue)}: {first.requeue['message']}")
@@ -389,7 +371,7 @@ def _render_attempt(attempt: AttemptReport, previous: AttemptReport | None = Non
                 where, since = "their last records", ""
             lines.append(
                 f"  exit: none: {ranks_text([x['rank'] for x in killed])} killed at {where}: "
-                f"{state} at step {step}{since}"
+                f"{position(state, step)}{since}"
             )
     return lines
 
@@ -438,56 +420,10 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-# -------------------------------------------------------------------- text helpers
-def group_by(items: Iterable[Any], key: Callable[[Any], Any]) -> dict[Any, list[Any]]:
-    """Items by ``key``, groups in order of first appearance."""
-    groups: dict[Any, list[Any]] = {}
-    for item in items:
-        groups.setdefault(key(item), []).append(item)
-    return groups
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """``rank 3`` or ``ranks 0-511, 513-1023``: runs of consecutive ranks as ranges."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranges(ranks)}"
-
-
-def _ranges(ranks: Iterable[int]) -> str:
-    parts: list[str] = []
-    ordered = sorted(ranks)
-    start = previous = ordered[0] if ordered else 0
-    for rank in ordered[1:]:
-        if rank != previous + 1:
-            parts.append(f"{start}-{previous}" if previous > start else str(start))
-            start = rank
-        previous = rank
-    if ordered:
-        parts.append(f"{start}-{previous}" if previous > start else str(start))
-    return ", ".join(parts)
-
-
 def _how_ended(r: RankAttempt) -> str:
     if r.exit is None:
-        return f"killed (no exit event; the trail ends in {r.end_state} at step {r.end_step})"
+        return f"killed (no exit event; the trail ends in {position(r.end_state, r.end_step)})"
     text = f"{r.exit['reason']} (code {r.exit['code']}"
     if r.exit["reason"] == ExitReason.FAILED and r.exceptions:
         text += f", {r.exceptions[0]['type']}: {first_line(r.exceptions[0]['message'])[:80]}"
     return text + ")"
-
-
-def first_line(text: Any) -> str:
-    """The first line of a message (an exception's, a command's), "" for none."""
-    lines = str(text).splitlines()
-    return lines[0] if lines else ""
-
-
-def since_text(seconds: float | None) -> str:
-    """``, 1.25 s after the record before it`` (of a killed rank's last record); "" when unknown."""
-    return "" if seconds is None else f", {seconds:.2f} s after the record before it"
-
-
-def requeue_text(requeue: dict[str, Any]) -> str:
-    """``done``, ``done by SLURM`` (it had requeued the job itself) or ``FAILED``."""
-    if not requeue["ok"]:
-        return "FAILED"
-    return "done by SLURM" if requeue.get("requeued_by") == "slurm" else "done"

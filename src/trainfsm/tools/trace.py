@@ -27,21 +27,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final
 
-from trainfsm import machine as fsm
 from trainfsm.machine import ExitReason
 from trainfsm.tools import preemption_timing
 from trainfsm.tools.audit import audit_trail
 from trainfsm.tools.replay import RankAttempt
-from trainfsm.tools.report import AttemptReport, AuditReport, group_restart, requeue_text, since_text, verdict
+from trainfsm.tools.report import AttemptReport, AuditReport, group_restart, verdict
+from trainfsm.tools.words import position, ranks_text, requeue_text, since_text, stall_end_text
 from trainfsm.trail.reader import Record, open_trail
 
 DEFAULT_EVENTS: Final = 10
 
 #: Exit reasons that get a story (as does an attempt without an exit event).
 _TRACED: Final = frozenset({ExitReason.FAILED, ExitReason.INTERRUPTED, ExitReason.PREEMPTED, ExitReason.STALLED})
-
-#: States in which the trainer's step is the step being run (it went up on entering STEP).
-_RUNNING: Final = frozenset({fsm.STEP, fsm.ACCUMULATE, fsm.RETRY})
 
 #: Fields every event has; the rest are what an event says.
 _COMMON: Final = frozenset({"ts", "event", "rank", "step", "state", "run_id", "attempt", "traceback"})
@@ -133,6 +130,11 @@ def _render_attempt(report: TraceReport, attempt: AttemptReport) -> list[str]:
             outcome = f"killed at its last record ({where}); no exit event, so its last transitions may be missing"
     else:
         outcome = f"{first.exit['reason']} (exit code {first.exit['code']})"
+        failed = [r.rank for r in attempt.ranks if r.stall_open is not None and r.stall_open.get("ended")]
+        if failed:  # the timeout is the stall's consequence: the story below names the cause
+            outcome += (
+                f" after a stall: the collective {ranks_text(failed)} waited in failed at the process group's timeout"
+            )
     lines = [f"attempt {attempt.attempt}: {outcome}"]
     timing = preemption_timing.entry(attempt.ranks)
     if timing is not None:
@@ -185,7 +187,7 @@ def _cause(report: TraceReport, attempt: AttemptReport) -> str | None:
     first = min(own, key=lambda record: record.ts)
     data = first.data
     return (
-        f"  cause: rank {first.rank} at step {first.step} ({first.state}): {data.get('type')}: "
+        f"  cause: rank {first.rank} in {position(first.state, first.step)}: {data.get('type')}: "
         f"{_short(data.get('message'))} ({first.where()}){after}"
     )
 
@@ -237,18 +239,12 @@ def _stall_text(stall: dict[str, Any]) -> str:
         since = datetime.fromtimestamp(stall["last_ts"] - (stall["seconds"] or 0), timezone.utc)
     doing = stall.get("doing") or "not in the trainer's own code"
     at = f" at {stall['at']}" if stall.get("at") else ""
-    how = "" if stall.get("cleared") is None else f", cleared after {stall['cleared']:.1f} s"
+    how = "" if stall.get("cleared") is None and stall.get("ended") is None else f", {stall_end_text(stall)}"
     reports = "its one stall report" if stall["reports"] == 1 else f"the last of {stall['reports']} stall reports"
     return (
         f"in {position(stall['state'], stall['step'])} since {since:%Y-%m-%d %H:%M:%S} UTC "
         f"({stall['seconds']:.1f} s at {reports}{how}): {doing}{at}"
     )
-
-
-def position(state: str, step: int) -> str:
-    """``STEP running step 1285``, ``CHECKPOINT at step 1284``: where a trail ends, ``step`` the
-    trainer's step there (``RankAttempt.end_step``), worded by what it means in ``state``."""
-    return f"{state} running step {step}" if state in _RUNNING else f"{state} at step {step}"
 
 
 def _describe(record: Record, end: float) -> str:
