@@ -22,6 +22,7 @@ from tests.tiers import cuda_skip_reason
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # ~15 s (two pytest collections): the full suite's, which CI runs
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, scripts/gpu-check.sh runs the GPU tier (minutes)")
 def test_the_gpu_check_dry_run_skips_every_cuda_test_with_its_reason_and_ends_with_the_summary(tmp_path: Path) -> None:
     log = tmp_path / "out" / "gpu-check.log"
