@@ -145,8 +145,8 @@ class MemoryFit:
         loss (no memory to speak of; the NaN tells every rank at the finite check)."""
         failure = self.failure or {}
         failed_here = failure.get("micro") == micro
-        parts = split(batch, self.pieces) if self.pieces > 1 else [(batch, 0)]
-        final_piece = failure.get("piece", 0) == len(parts) - 1  # only its backward is outside no_sync
+        count = min(self.pieces, rows(batch)) if self.pieces > 1 else 1  # ``split``'s, without the views
+        final_piece = failure.get("piece", 0) == count - 1  # only its backward is outside no_sync
         if failed_here and failure.get("phase") == "backward" and ((last and final_piece) or stepper.no_sync is None):
             raise torch.OutOfMemoryError(
                 f"out of memory in the backward of micro-batch {micro}, whose gradient all-reduce (DDP) had begun "
@@ -158,9 +158,9 @@ class MemoryFit:
         # among them, follow its forwards), one sample each: the pieces from the failed one on.
         first = failure.get("piece", 0) if failed_here else 0
         one = map_nested_tensor(lambda t: t[:1], batch)
-        for i in range(first, len(parts)):
+        for i in range(first, count):
             try:
-                stepper.micro(forward, one, last and i == len(parts) - 1, float("nan"))
+                stepper.micro(forward, one, last and i == count - 1, float("nan"))
             except torch.OutOfMemoryError:
                 raise torch.OutOfMemoryError(
                     f"out of memory again in a one-sample forward/backward run to keep step with the other ranks "
