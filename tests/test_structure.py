@@ -138,7 +138,19 @@ def code_lines(source: str, node: ast.AST) -> int:
 
 
 def test_the_trainer_class_stays_readable_in_an_afternoon():
-    """Issue 51: BaseTrainer at most 320 lines of code; what grows goes to a module named for it."""
+    """Issue 51: BaseTrainer at most 320 lines of code, counted with what its states do
+    (``trainfsm/states.py``, split out of the class so that the class reads as the contract);
+    what grows goes to a module named for it."""
     source = (SRC / "trainer.py").read_text()
     [trainer] = [n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "BaseTrainer"]
-    assert code_lines(source, trainer) <= 320
+    states = (SRC / "states.py").read_text()
+    work = [n for n in ast.parse(states).body if isinstance(n, ast.FunctionDef)]
+    assert {n.name for n in work} >= {"build", "restore", "begin_step", "accumulate", "retry", "checkpoint"}
+    assert code_lines(source, trainer) + sum(code_lines(states, n) for n in work) <= 320
+
+
+def test_no_module_is_over_450_lines():
+    """Issue 51: a module past 450 lines is split by what its parts do."""
+    sizes = {path.relative_to(SRC).as_posix(): len(path.read_text().splitlines()) for path in SRC.rglob("*.py")}
+    assert len(sizes) > 50
+    assert {name: size for name, size in sizes.items() if size > 450} == {}

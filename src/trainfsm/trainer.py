@@ -1,11 +1,10 @@
-"""``BaseTrainer``: the user's contract, ``train()``, and one method per state.
+"""``BaseTrainer``: the user's contract and ``train()``, which drives the machine.
 
-Each state's method (``_build``, ``_restore``, ``_step``, ``_accumulate``, ``_retry``,
-``_checkpoint``: the table in ``_drive``) does its state's work and returns the trigger to
-fire next; ``train()`` alternates the two until EXIT. Hook methods are called by the dispatcher
-(``trainfsm.run.Hooks``), from these methods and from the two state entries the trainer binds
-(``_begin_step``, ``_enter_exit``); the audit events are recorded by the machine's transitions.
-What a run needs while it runs is in ``trainfsm.run.Run``; preemption in
+What each state does is a function of ``trainfsm.states`` (the table in ``_drive``): it does its
+state's work and returns the trigger to fire next; ``train()`` alternates the two until EXIT.
+Hook methods are called by the dispatcher (``trainfsm.run.Hooks``), from those functions and
+from the state entries the trainer binds; the audit events are recorded by the machine's
+transitions. What a run needs while it runs is in ``trainfsm.run.Run``; preemption in
 ``trainfsm.preemption``; the data position in ``trainfsm.data_cursor.DataCursor``; the tensor work
 of a step in ``trainfsm.step.Stepper``.
 """
@@ -13,32 +12,26 @@ of a step in ``trainfsm.step.Stepper``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from trainfsm import data_order, ddp_buckets, resume
 from trainfsm import machine as fsm
 from trainfsm import options as check
-from trainfsm.collectives import LossNoneAgreement, LossNoneWarning, loss_none_ranks
-from trainfsm.data_cursor import EXHAUSTED, DataCursor
+from trainfsm import resume, states
+from trainfsm.collectives import LossNoneWarning
+from trainfsm.data_cursor import DataCursor
 from trainfsm.hooks.base import BaseHook
 from trainfsm.machine import ExitReason
-from trainfsm.oom import MemoryFit, oom_shared
 from trainfsm.preemption.policy import ExitPolicy, Preemption, exit_policy
 from trainfsm.preemption.signals import hold_interrupt, release_interrupt
 from trainfsm.run import Hooks, Run, open_trail, start_watchdog
-from trainfsm.step import Stepper
 from trainfsm.step_info import StepInfo
-from trainfsm.torch_workarounds import (
-    import_collectives_before_any_group,
-    release_groups_at_exit,
-    warn_if_group_kept_alive,
-)
-from trainfsm.utils import is_distributed_wrapper, unwrap
+from trainfsm.torch_workarounds import import_collectives_before_any_group
+from trainfsm.utils import unwrap
 
 if TYPE_CHECKING:
     import signal
@@ -290,9 +283,10 @@ class BaseTrainer(fsm.Triggers):
             run = self._run = Run(machine, event_log, preemption, logs, Hooks(self, []))
             # The trainer's own bookkeeping is bound (and the machine compiled) before any user code
             # runs, so that a failure in BUILD is recorded like any other: transition, exception, exit.
-            fsm.bind(machine, "enter", fsm.STEP, self._begin_step)
+            finish_exit = partial(states.finish_exit, self, run)  # EXIT's own work, after the hooks'
+            fsm.bind(machine, "enter", fsm.STEP, partial(states.begin_step, self, run))
             fsm.bind(machine, "enter", fsm.EXIT, lambda: run.hooks.after_train(run.failed))  # the built hooks
-            fsm.bind(machine, "enter", fsm.EXIT, self._finish_exit)
+            fsm.bind(machine, "enter", fsm.EXIT, finish_exit)
             machine.compile_events(self, event_log.transition_recorder)
             run.watchdog = start_watchdog(self, machine.progress, run)
         except BaseException:
@@ -300,12 +294,12 @@ class BaseTrainer(fsm.Triggers):
             raise
         # What each state does, returning the trigger that leaves it (None: EXIT, the end).
         work: dict[str, Callable[[], Callable[[], bool] | None]] = {
-            fsm.BUILD: self._build,
-            fsm.RESTORE: self._restore,
-            fsm.STEP: lambda: self.micro,  # STEP's work is its entry's (``_begin_step``): on to a micro-batch
-            fsm.ACCUMULATE: self._accumulate,
-            fsm.RETRY: self._retry,
-            fsm.CHECKPOINT: self._checkpoint,
+            fsm.BUILD: partial(states.build, self, run, finish_exit),
+            fsm.RESTORE: partial(states.restore, self, run),
+            fsm.STEP: lambda: self.micro,  # STEP's work is its entry's (``states.begin_step``): on to a micro-batch
+            fsm.ACCUMULATE: partial(states.accumulate, self, run),
+            fsm.RETRY: partial(states.retry, self, run),
+            fsm.CHECKPOINT: partial(states.checkpoint, self, run),
             fsm.EXIT: lambda: None,
         }
         try:
@@ -323,194 +317,6 @@ class BaseTrainer(fsm.Triggers):
             raise SystemExit(self.exit_code)
         if run.exit_errors:  # EXIT's work failed after training completed: recorded, now raised
             raise run.exit_errors[0]
-
-    # ---------------------------------------------------------------- states
-    def _build(self) -> Callable[[], bool]:
-        run = self._run
-        assert run is not None
-        if self.world_size > 1 and self.loss_none_agreement:  # first: it may create a gloo group
-            run.agreement = LossNoneAgreement(rank=self.rank, world=self.world_size, watcher=run.preemption.watcher)
-        self.data_loader = check.built("build_data_loader", self.build_data_loader(), Iterable)
-        self.model = check.built("build_model", self.build_model(), nn.Module)
-        self.optimizer = check.built("build_optimizer", self.build_optimizer(), torch.optim.Optimizer)
-        warn_if_group_kept_alive(self.events)  # checked here: building the first optimizer may import it
-        release_groups_at_exit()  # a group the script destroys while it keeps the model: gone before shutdown
-        self.lr_scheduler = self.build_lr_scheduler()
-        self.grad_scaler = check.built("build_grad_scaler", self.build_grad_scaler(), torch.amp.GradScaler)
-        self.hooks = list(check.built("build_hooks", self.build_hooks(), (list, tuple)))
-        for hook in self.hooks:
-            check.built("build_hooks", hook, BaseHook)
-        self.gradient_accumulation_steps, layout = data_order.settle(
-            self.data_loader, self.rank, self.world_size, self.gradient_accumulation_steps, self._accumulation_given,
-            self.global_batch_size,
-        )  # fmt: skip
-        self._data.attach(self.data_loader, self.max_epochs, self.events, layout)
-        run.warn_loss_none = is_distributed_wrapper(self.model)
-        run.buckets = ddp_buckets.watch(self.model, self.world_size, self.events)
-        run.stepper = Stepper.for_trainer(self, run.agreement)
-        if self.max_oom_retries:
-            run.fit = MemoryFit(self.max_oom_retries, self.gradient_accumulation_steps, oom_shared(self, run.agreement))
-        self.exit_policy = run.preemption.decide(self.hooks, run.agreement)
-        run.bind_hooks(self, self.hooks, self._finish_exit)
-        return self._preempted_before_training() or self.built
-
-    def _restore(self) -> Callable[[], bool]:
-        # Hooks (the checkpoint hook) restored state in on_enter_restore.
-        run: Run = self._run  # type: ignore[assignment]
-        # How this rank's micro-batches map onto each epoch's order (the data ledger's key): DEBUG,
-        # for the file, which the INFO ``restore`` after it writes at once.
-        self.events.debug("data_layout", **self._data.layout.as_event())  # type: ignore[union-attr]
-        self.events.info("restore", resumed=self.step > 0, from_step=self.step)
-        if self.step >= self.max_steps:  # resumed from a finished run: nothing left to do
-            self.exit_reason, self.exit_code = ExitReason.COMPLETED, 0
-            run.hooks.before_train()
-            return self.finish  # a signal now is recorded in EXIT: the run is complete, no requeue
-        resumed = self._data.start()
-        if resumed is not None:  # how the position was found and what it cost: a replay grows with it
-            self.events.info("data_resumed", epoch=self.epoch, from_step=self.step, **resumed.as_event())
-            self._data.fingerprint_next("resume", self.step)  # the data ledger's check of the position
-        # Checked last: a signal while the checkpoint loaded or the data was positioned counts.
-        preempted = self._preempted_before_training()
-        if preempted is not None:
-            return preempted
-        run.hooks.before_train()
-        return self.restored
-
-    def _begin_step(self) -> None:
-        self.step += 1
-        self.step_info = StepInfo()
-        run: Run = self._run  # type: ignore[assignment]
-        run.new_step()
-        run.preemption.step_began()
-        run.hooks.before_step()
-
-    def _accumulate(self) -> Callable[[], bool]:
-        """One micro-batch. With ``max_oom_retries`` (``run.fit``) the step's micro-batches are kept
-        (a retry runs them again) and split as the run's out-of-memory errors made them; such an
-        error leaves by ``oom`` for RETRY once its ``except`` has dropped the failed graph."""
-        run: Run = self._run  # type: ignore[assignment]
-        fit = run.fit
-        t0 = perf_counter()
-        batch = self._data.next() if fit is None else fit.next(self._data.next)
-        if batch is EXHAUSTED:
-            return self._data_ran_out(run)
-        run.data_times.append(perf_counter() - t0)
-        last = run.micro + 1 == self.gradient_accumulation_steps
-        if fit is None or fit.failure is None:
-            try:
-                if fit is None:
-                    loss, records = run.stepper.micro(self.forward, batch, last)  # type: ignore[union-attr]
-                else:
-                    loss, records = fit.micro(run.stepper, self.forward, batch, last)  # type: ignore[arg-type]
-            except torch.OutOfMemoryError as exc:
-                if fit is None:
-                    raise
-                fit.caught(exc, run.micro, batch)
-            else:  # not under the ``try``: the step's end (optimizer step) is never retried
-                if loss is None:  # on this rank; with loss_none_agreement, on any: then every rank skips it
-                    self.loss_none_skips += 1  # this rank skipped it, whichever rank returned None
-                    ranks = loss_none_ranks(run.agreement, self.rank, run.warn_loss_none)
-                    self.events.debug("loss_none", micro=run.micro, ranks=ranks)
-                    return self.micro
-                run.micro += 1
-                run.losses.append(loss)
-                run.records.append(records)
-                return self._end_step(run) if last else self.micro
-            if not fit.shared:
-                return self.oom
-        # Out of memory in this step, with DDP over several ranks: on to the step's end with the others.
-        fit.shadow(run.stepper, self.forward, batch, run.micro, last)  # type: ignore[arg-type]
-        run.micro += 1
-        return self._end_step(run) if last else self.micro
-
-    def _end_step(self, run: Run) -> Callable[[], bool]:
-        """The step's last micro-batch ran: check, step the optimizer, fill ``step_info``, decide."""
-        stepper: Stepper = run.stepper  # type: ignore[assignment]
-        finite, grad_norm = stepper.check_and_clip()
-        if not finite:
-            if run.fit is not None and run.fit.ran_out(self.rank, self.world_size, self.grad_scaler):
-                return self.oom
-            if not stepper.scaler_enabled:
-                return self.non_finite
-            scale = self.grad_scaler.get_scale() if self.grad_scaler else None
-            self.events.warning("non_finite", what="scaler_skip", retry=0, max=0, scale=scale)
-        info = self.step_info
-        if grad_norm is not None:
-            info["grad_norm"] = grad_norm
-        hooks = run.hooks
-        hooks.before_optimizer_step()
-        stepper.apply(finite)
-        run.step_figures(info)
-        # The decision point: evaluations first, then the questions; a signal that arrives during
-        # them is read after and honoured at this step (with one rank).
-        stop = False
-        if hooks.at_step_end:
-            hooks.evaluate(run.machine.progress)
-            hooks.step_info(info)  # before any on_after_step reads the step's figures
-            stop = hooks.stop_wanted()
-        code = run.preemption.at_step_end(self.step)
-        reason = fsm.step_end_reason(preempted=code is not None, stop=stop, last=self.step >= self.max_steps)
-        if reason is not None:
-            self.exit_reason, self.exit_code = reason, code if code is not None else 0
-        # Asked once the exit reason is known: CheckpointingHook saves the last step of any run.
-        trigger = run.triggers[fsm.step_end_trigger(reason, save=hooks.checkpoint_wanted())]
-        hooks.after_step()
-        return trigger
-
-    def _preempted_before_training(self) -> Callable[[], bool] | None:
-        """A signal during BUILD or RESTORE: nothing worth saving exists yet; leave by ``preempt``."""
-        code = self._run.preemption.before_training()  # type: ignore[union-attr]
-        if code is None:
-            return None
-        self.exit_reason, self.exit_code = ExitReason.PREEMPTED, code
-        return self.preempt
-
-    def _data_ran_out(self, run: Run) -> Callable[[], bool]:
-        """``max_epochs`` epochs are done: the step that began has no data, so it never happens.
-
-        Gradients of any micro-batches it already ran are dropped (like ``drop_last``), and
-        ``trainer.step`` goes back to the last completed step, which CHECKPOINT then saves.
-        """
-        run.stepper.discard()  # type: ignore[union-attr]
-        run.preemption.end_step_agreement()
-        self.exit_reason, self.exit_code = ExitReason.COMPLETED, 0
-        self.events.info("data_exhausted", epochs=self.max_epochs, dropped_micro_batches=run.micro)
-        self.step -= 1  # after the event, which belongs to the step that began; see fsm.STEP_TAKEN_BACK
-        return self.exhausted
-
-    def _retry(self) -> Callable[[], bool]:
-        run: Run = self._run  # type: ignore[assignment]
-        run.stepper.discard()  # type: ignore[union-attr]
-        if run.fit is not None and run.fit.failure is not None:  # out of memory: the same micro-batches, smaller
-            run.fit.retry(self.step, self.events, self.device)
-        else:  # non-finite: fresh micro-batches
-            run.non_finite_retry(self.step, self.max_non_finite_grad_retries, self.events)
-        run.micro = 0
-        run.losses, run.records = [], []  # the retried micro-batches' data times stay: spent in this step
-        return self.retry
-
-    def _checkpoint(self) -> Callable[[], bool]:
-        # The checkpoint hook saved in on_enter_checkpoint; leave for good or for the next step.
-        run: Run = self._run  # type: ignore[assignment]
-        trigger = fsm.checkpoint_trigger(self.exit_reason)
-        if trigger == "resume":  # the batch after a save: a resume from it must draw the same one
-            self._data.fingerprint_after_save(self.step)
-        else:  # leaving after a save: the batch a resume must draw first, drawn now and dropped
-            self._data.fingerprint_at_exit(self.step)
-        return run.triggers[trigger]
-
-    def _finish_exit(self) -> None:
-        run: Run = self._run  # type: ignore[assignment]
-        run.guarded(self._data.close)
-        # A failure in EXIT's own work is raised at the end (status 1), unless an exception is
-        # already on its way out of train(): that one decides the status, and run.record_failure
-        # recorded it.
-        if self.exit_reason is None or (run.exit_errors and run.failure is None):
-            self.exit_reason, self.exit_code = ExitReason.FAILED, 1
-        run.preemption.at_exit(self.exit_reason is ExitReason.PREEMPTED)
-        if run.watchdog is not None:  # the exit event is the attempt's last: no stall event after it
-            run.watchdog.stop()
-        self.events.info("exit", reason=self.exit_reason, code=self.exit_code)
 
     # ---------------------------------------------------------------- data
     @property
