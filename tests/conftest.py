@@ -36,11 +36,11 @@ def events(tmp_path: Path) -> Callable[[], list[dict[str, Any]]]:
 #: first, so that neither is left running one of them alone at the end.
 LONGEST = (
     "tests/slurm/test_job_end.py",  # ~500 s on one worker in CI: first, or it ends the run alone
+    "tests/slurm/",  # the other SLURM modules, one unit: ~500 s
     "tests/test_faults.py",
     "tests/test_two_nodes.py",
     "tests/test_faults_sigusr1.py",
     "tests/test_torchrun_preemption.py",
-    "tests/slurm/",
 )
 #: Markers of the kinds of tests that start processes: their modules come next.
 HEAVY = ("slow", "slurm", "distributed", "faults", "docs")
@@ -94,13 +94,21 @@ def _drop_fast_twins(config: pytest.Config, items: list[pytest.Item]) -> None:
         items[:] = [item for item in items if item not in twins]
 
 
+#: SLURM modules run as a unit of their own, beside the other SLURM modules (a module of 8 minutes,
+#: and the others' 9, were one unit on one worker: the full suite's longest path).
+SLURM_APART = ("tests/slurm/test_job_end.py",)
+
+
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest -p no:xdist runs without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under ``-n N --dist loadfile`` (``make test``, ``make test-all``): one module to one worker, as
     ``loadfile`` does (a module-scoped fixture, such as a reference run or the built docs site, is built
-    once, not once per worker), with all of ``tests/slurm/`` as one unit (the session-scoped cluster of
-    ``tests/slurm/conftest.py`` is started, used and stopped by one worker), and the modules taken in
-    the order ``pytest_collection_modifyitems`` puts them in (longest first), not by number of tests."""
+    once, not once per worker), with ``tests/slurm/`` as two units: ``SLURM_APART``, whose jobs mostly
+    wait out SLURM's time limits, and the rest (one cluster serves both: ``tests/slurm/conftest.py``
+    stops it when its last user ends; the partitions keep their jobs apart: the ``debug`` jobs of both
+    units fit its 4 CPUs, the preemption trials' ``low``/``high`` jobs use CPUs of their own); and the
+    modules taken in the order ``pytest_collection_modifyitems`` puts them in (longest first), not by
+    number of tests."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -108,7 +116,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class ModuleScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "tests/slurm/" if path.startswith("tests/slurm/") else path
+            return path if path in SLURM_APART or not path.startswith("tests/slurm/") else "tests/slurm/"
 
         def remove_node(self, node: Any) -> str | None:
             # A worker that crashed (pytest-timeout ends a hung test's worker) left its module's tests

@@ -1,14 +1,20 @@
 """The ``slurm_cluster`` fixture: a real one-node SLURM cluster for the test session.
 
 ``bash tests/slurm/cluster.sh start`` (which installs slurm and munge with apt-get when missing) starts it
-once per session, and ``cluster.sh stop`` stops it at the end; a cluster that was already up before the
-session is used and left running. When the cluster cannot start (not root, no apt-get, a daemon fails), the
+once, and ``cluster.sh stop`` stops it when the last session using it ends: under ``make test-all`` two
+pytest-xdist workers run the SLURM modules side by side (``test_job_end.py``, whose jobs wait out time
+limits, apart from the rest: ``pytest_xdist_make_scheduler`` in tests/conftest.py), and a worker that is
+done must not stop the cluster under the other. The sessions using it are listed (their process ids) in
+a file beside the cluster's state, under a lock. A cluster that was already up before any session is used
+and left running. When the cluster cannot start (not root, no apt-get, a daemon fails), the
 tests that use it are skipped with the reason, or fail with the daemons' logs when ``TRAINFSM_REQUIRE_SLURM=1``
 (CI sets it). Tests here are marked ``slurm``, so ``pytest -m slurm`` selects them.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import shlex
@@ -16,9 +22,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -130,8 +137,12 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 
     if sys.platform != "linux" or os.geteuid() != 0:
         unavailable("the SLURM test cluster needs Linux and root")
-    was_up = _cluster_sh("status").returncode == 0
-    start = _cluster_sh("start", timeout=900)
+    with _users() as users:
+        if not users["sessions"]:  # the first session (of those alive) decides who stops it
+            users["ours"] = _cluster_sh("status").returncode != 0
+        start = _cluster_sh("start", timeout=900)  # a no-op when it is up
+        if start.returncode == 0:
+            users["sessions"].append(os.getpid())
     if start.returncode != 0:
         last = start.stderr.strip().splitlines()[-1:] or [f"exit code {start.returncode}"]
         unavailable(f"cluster.sh start: {re.sub(r'^cluster.sh [0-9:]+: ', '', last[0])}", start.stderr)
@@ -145,6 +156,38 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             env[key] = value
     yield SlurmCluster(env=env, state_dir=Path(env["SLURM_CONF"]).parent.parent)
 
-    if not was_up:
-        stop = _cluster_sh("stop", timeout=120)
-        assert stop.returncode == 0, f"cluster.sh stop failed:\n{stop.stderr}"
+    with _users() as users:
+        users["sessions"].remove(os.getpid())
+        if not users["sessions"] and users["ours"]:
+            stop = _cluster_sh("stop", timeout=120)
+            assert stop.returncode == 0, f"cluster.sh stop failed:\n{stop.stderr}"
+
+
+#: The sessions using the cluster: ``{"ours": started by a session (so the last one stops it),
+#: "sessions": [process ids]}``, beside the cluster's state directory (cluster.sh's default).
+USERS = Path(os.environ.get("TRAINFSM_SLURM_DIR", "/tmp/trainfsm-slurm") + ".users.json")
+
+
+@contextmanager
+def _users() -> Iterator[dict[str, Any]]:
+    """The sessions using the cluster, read and written under an exclusive lock; sessions whose
+    process is gone (a worker killed by pytest-timeout) are dropped."""
+    with open(USERS.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            users = json.loads(USERS.read_text()) if USERS.exists() else {}
+        except ValueError:
+            users = {}
+        users = {"ours": bool(users.get("ours")), "sessions": [p for p in users.get("sessions", []) if _alive(p)]}
+        yield users
+        USERS.write_text(json.dumps(users))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
