@@ -70,7 +70,8 @@ def first_line(text: Any, room: int = 80) -> str:
 
 
 def plural(n: Any, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('ch') else 's'}"
+    """``1 batch``, ``2 batches``, ``3 epochs``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith(('tch', 'sh', 's', 'x')) else 's'}"
 
 
 # ---------------------------------------------------------------- starting and resuming
