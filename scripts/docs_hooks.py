@@ -2,8 +2,9 @@
 
 Nothing here is copied into docs/, so nothing can drift: the API and hook reference list every
 public name of ``trainfsm.__all__`` (mkdocstrings renders each from its docstring), the CLI page is
-the commands' own ``--help``, the event reference is ``trainfsm.trail.schema``'s tables, and the plot in
-the audit-trail guide is drawn from a real run trained (and resumed) during the build.
+the commands' own ``--help``, the event reference is ``trainfsm.trail.schema``'s tables with the
+console's sentence of each event (``trainfsm.trail.sentences`` of ``trainfsm.trail.examples``), and
+the plot in the audit-trail guide is drawn from a real run trained (and resumed) during the build.
 
 The site works offline (a cluster's login node): Mermaid, which MkDocs Material would otherwise
 fetch from unpkg when a page has a diagram, is served from the site itself. The build takes the
@@ -16,6 +17,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import logging
 import os
 import re
 import subprocess
@@ -154,8 +156,45 @@ def _events_page() -> str:
         "",
         "Exit reasons: " + ", ".join(f"`{reason}`" for reason in schema.EXIT_REASONS) + ".",
         "",
+        *_console_section(),
     ]
     return "\n".join(lines)
+
+
+def _console_section() -> list[str]:
+    """What the console prints of each event kind: its sentence (``trainfsm.trail.sentences``),
+    rendered from that kind's example (``trainfsm.trail.examples``), or that it shows at DEBUG only."""
+    from trainfsm.trail import console, examples, schema
+
+    rows = []
+    for event in schema.EVENT_FIELDS:
+        example = examples.example(event)
+        if console.own(example):  # every rank speaks of its own: shown as another rank's line
+            example = examples.example(event, rank=1)
+        text = console.sentence(example)
+        if text is None:
+            rows.append(f"| `{event}` | DEBUG only: its fields, no sentence |")
+        elif not console.speaks(example, logging.INFO):
+            rows.append(f"| `{event}` | `{text}` (shown at DEBUG only) |")
+        else:
+            rows.append(f"| `{event}` | `{text}`{' (every rank, of its own)' if console.own(example) else ''} |")
+    debug = console.details(examples.example("transition"))
+    return [
+        "## What the console prints",
+        "",
+        "The stdlib logger `trainfsm` (or the trainer's `logger`) prints one sentence for each event a "
+        "person should see, at the level it was recorded at: rank 0 speaks for every rank, and each rank "
+        "of what is its own (a stall, a failure), its line beginning with `[rank R]`. Each line below is "
+        "the sentence as the console prints it, rendered from a real example of the event's fields "
+        f"(`trainfsm.trail.examples`); at most {console.WIDTH} characters. At DEBUG every event also shows "
+        f"its fields in one line, for example `{debug}`. How to quiet or widen it: "
+        "[the console](../guides/getting-started.md#the-console).",
+        "",
+        "| event | the console's line |",
+        "|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _run_plot(out: Path) -> None:

@@ -211,6 +211,36 @@ def test_the_trainer_lists_what_a_subclass_implements_and_what_users_read(site: 
         assert re.search(rf"\b{name}\b", entry.split("Attributes you read", 1)[-1]), f"{name} is not described"
 
 
+# ---------------------------------------------------------------- the event reference
+def _console_rows() -> dict[str, str]:
+    """The event reference's "What the console prints" table: event -> its second cell."""
+    page = _docs_hooks()._events_page()
+    section = page.split("## What the console prints", 1)[1] if "## What the console prints" in page else ""
+    return {m[1]: m[2] for m in re.finditer(r"^\| `(\w+)` \| (.*) \|$", section, flags=re.MULTILINE)}
+
+
+@needs_docs_extras
+def test_the_event_reference_shows_each_events_console_line() -> None:
+    """Every event kind with a sentence shows it as the console prints it, rendered from the
+    kind's example (a rank's own from rank 1: with its ``[rank 1]``); a sentence the console
+    keeps to DEBUG says so; the others show at DEBUG only."""
+    from trainfsm.trail import console, examples
+    from trainfsm.trail.schema import EVENT_FIELDS
+    from trainfsm.trail.sentences import SENTENCES
+
+    rows = _console_rows()
+    assert list(rows) == list(EVENT_FIELDS)
+    for name, render in SENTENCES.items():
+        if render is None:
+            assert rows[name] == "DEBUG only: its fields, no sentence", name
+            continue
+        own = console.own(examples.example(name))
+        line = console.sentence(examples.example(name, rank=1 if own else 0))
+        assert line is not None and rows[name].startswith(f"`{line}`"), (name, rows[name])
+        assert line.startswith("[rank 1] ") == own, line
+        assert ("DEBUG only" in rows[name]) == (name in console.QUIET), rows[name]
+
+
 # ---------------------------------------------------------------- offline
 class _Loads(HTMLParser):
     """What a page makes the browser fetch by itself: scripts, styles, icons, images, frames."""

@@ -6,6 +6,10 @@ with its model, optimizer (momentum), scheduler and EMA state, and continues exa
 itself would have; trainloop's directories stay as they were, byte for byte. A directory trainfsm
 did not write is never replaced or pruned: a run that could save over one stops in RESTORE, with
 an error that names it, before a step is lost.
+
+Under DDP (``tests/distributed/trainloop_worker.py``, gloo ranks) trainloop's rank 0 writes the full
+state, which every rank loads: trainfsm resumes from it on the same number of ranks, and on another,
+as trainloop itself would.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import shutil
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -28,6 +33,7 @@ from trainfsm.checkpoint.manifest import MANIFEST
 from trainfsm.checkpoint.store import CheckpointError
 
 from . import helpers
+from .distributed.launch import ROOT, Ranks
 
 BATCHES = [
     (torch.randn(4, 3, generator=torch.Generator().manual_seed(i)), torch.full((4, 1), float(i % 3))) for i in range(5)
@@ -218,6 +224,130 @@ def test_a_kept_trainloop_checkpoint_loads_through_its_keep_directory(tmp_path: 
     user_trainer(trainfsm, workspace, max_steps=9, keep_steps=[8]).train()
     (loaded,) = read_events(workspace, "checkpoint_loaded")
     assert (loaded["format"], loaded["from_step"], loaded["path"]) == ("trainloop", 8, str(checkpoints / "8_keep"))
+
+
+# ---------------------------------------------------------------- under DDP
+# trainloop saves under DDP as it does alone: rank 0 writes ``trainer.state_dict()``, the full model
+# (``get_state_dict``: without DDP's ``module.``) and the whole optimizer state, replicated on every
+# rank; every rank loads the same files. So the checkpoint is no rank's own: any number of ranks
+# can resume from it, each with a fresh data iterator of its own batches (trainloop saves no data
+# position), and trainloop itself resumes that way on any number.
+WORKER = ROOT / "tests" / "distributed" / "trainloop_worker.py"
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def distributed(test: F) -> F:
+    linux = pytest.mark.skipif(sys.platform != "linux", reason="spawns gloo ranks on Linux")
+    return pytest.mark.distributed(linux(test))
+
+
+def on_ranks(out: Path, world: int, *runs: str) -> dict[str, list[dict[str, Any]]]:
+    """Each ``PACKAGE:WORKSPACE:MAX_STEPS`` of ``runs`` in turn on ``world`` fresh gloo ranks; what
+    each rank held after each run: ``{"PACKAGE.WORKSPACE": [rank 0's, rank 1's, ...]}``."""
+    argv = [sys.executable, str(WORKER), "--out", str(out), *(arg for run in runs for arg in ("--run", run))]
+    with Ranks(lambda rank: argv, out / f"logs.{len(list(out.glob('logs.*')))}", world=world) as started:
+        outcome = started.wait(timeout=90)
+    assert outcome.codes == dict.fromkeys(range(world), 0), outcome.describe()
+    names = [f"{run.split(':')[0]}.{Path(run.split(':')[1]).name}" for run in runs]
+    return {
+        name: [torch.load(out / f"{name}.rank{rank}.pt", weights_only=True) for rank in range(world)] for name in names
+    }
+
+
+def differing(expected: dict[str, Any], got: dict[str, Any]) -> set[str]:
+    """The names whose values are not the same bit for bit (a step or an epoch: not equal)."""
+    assert expected.keys() == got.keys()
+    same = {k: torch.equal(v, got[k]) if isinstance(v, torch.Tensor) else v == got[k] for k, v in expected.items()}
+    return {k for k, equal in same.items() if not equal}
+
+
+@pytest.fixture(scope="module")
+def trainloop_on_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """trainloop trained 8 steps on 2 DDP ranks: checkpoints 4/ and 8/, written by rank 0."""
+    out = tmp_path_factory.mktemp("ddp")
+    on_ranks(out, 2, f"trainloop:{out / 'saved'}:8")
+    checkpoints = out / "saved" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["4", "8", "latest"]
+    assert sorted(p.name for p in (checkpoints / "8").iterdir()) == ["ema.pt", "model.pt", "training_state.pt"]
+    return out
+
+
+#: trainfsm's workspace resumed on some ranks, each rank's state after it, and trainloop's after its own resume.
+Resumed = tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]
+
+
+def resumed_on(out: Path, world: int) -> Resumed:
+    """Two copies of trainloop's workspace resumed to step 12 on ``world`` ranks, one by trainfsm
+    (fresh processes), one by trainloop: (trainfsm's workspace, its ranks' state, trainloop's)."""
+    for name in (f"trainfsm{world}", f"trainloop{world}"):
+        shutil.copytree(out / "saved", out / name, symlinks=True)
+    held = on_ranks(out, world, f"trainfsm:{out / f'trainfsm{world}'}:12", f"trainloop:{out / f'trainloop{world}'}:12")
+    return out / f"trainfsm{world}", held[f"trainfsm.trainfsm{world}"], held[f"trainloop.trainloop{world}"]
+
+
+@pytest.fixture(scope="module")
+def resumed_on_two(trainloop_on_two_ranks: Path) -> Resumed:
+    return resumed_on(trainloop_on_two_ranks, 2)
+
+
+@pytest.fixture(scope="module")
+def resumed_on_three(trainloop_on_two_ranks: Path) -> Resumed:
+    return resumed_on(trainloop_on_two_ranks, 3)
+
+
+def loaded_on_each_rank(workspace: Path, world: int) -> list[tuple[str, int, str]]:
+    from .distributed.launch import events
+
+    return [
+        (e["format"], e["from_step"], e["path"])
+        for rank in range(world)
+        for e in events(workspace, rank)
+        if e["event"] == "checkpoint_loaded"
+    ]
+
+
+@distributed
+def test_two_ddp_ranks_resume_from_trainloops_checkpoint_at_its_step(resumed_on_two: Resumed) -> None:
+    workspace, held, _ = resumed_on_two
+    assert loaded_on_each_rank(workspace, 2) == [("trainloop", 8, str(workspace / "checkpoints" / "8"))] * 2
+    assert [state["step"] for state in held] == [12, 12]
+
+
+@distributed
+def test_on_two_ranks_the_switched_run_continues_exactly_as_trainloop_would(resumed_on_two: Resumed) -> None:
+    """Each rank's model, EMA, momentum, learning rate and scheduler epoch, bit for bit, four steps on."""
+    _, held, reference = resumed_on_two
+    assert [differing(expected, got) for expected, got in zip(reference, held, strict=True)] == [set(), set()]
+
+
+@distributed
+def test_audit_passes_the_workspace_resumed_on_ranks(
+    resumed_on_two: Resumed, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.cli_helpers import cli
+
+    code, out, err = cli(capsys, "audit", resumed_on_two[0])
+    assert code == 0, out + err
+    assert "2 files (2 ranks), 1 attempt" in out and "exit: completed, code 0" in out
+
+
+@distributed
+@pytest.mark.slow
+def test_three_ranks_resume_from_a_two_rank_trainloop_checkpoint_as_trainloop_does(
+    resumed_on_two: Resumed, resumed_on_three: Resumed, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full state, no rank's own: trainfsm neither refuses it nor splits it, it continues as
+    trainloop resumed on three ranks continues, bit for bit; which differs from two ranks' run
+    (a third rank's batches are averaged in), so the comparison can fail."""
+    from tests.cli_helpers import cli
+
+    workspace, held, reference = resumed_on_three
+    assert loaded_on_each_rank(workspace, 3) == [("trainloop", 8, str(workspace / "checkpoints" / "8"))] * 3
+    assert [state["step"] for state in held] == [12, 12, 12]
+    assert [differing(expected, got) for expected, got in zip(reference, held, strict=True)] == [set()] * 3
+    assert "model.0.weight" in differing(resumed_on_two[1][0], held[0])
+    code, out, err = cli(capsys, "audit", workspace)
+    assert code == 0, out + err
 
 
 # ---------------------------------------------------------------- nothing foreign is replaced

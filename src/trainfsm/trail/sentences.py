@@ -2,7 +2,8 @@
 
 ``SENTENCES`` maps every event of ``trainfsm.trail.schema.EVENT_FIELDS`` to a function of the
 event that returns its sentence, or None where the event is the trail's alone (the console shows
-its fields at DEBUG only): ``tests/test_sentences.py`` renders every kind and fails on one missing.
+its fields at DEBUG only): ``tests/test_sentences.py`` renders every kind and fails on one missing,
+from the examples of ``trainfsm.trail.examples`` (which the event reference shows too).
 A sentence has no dicts and no checksums, and reads sizes and times in MB, ms and s; the full
 event is in the trail. Which rank speaks, at which level, is ``trainfsm.trail.console``'s.
 No torch and no structlog here.
@@ -70,7 +71,8 @@ def first_line(text: Any, room: int = 80) -> str:
 
 
 def plural(n: Any, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('ch') else 's'}"
+    """``1 batch``, ``2 batches``, ``3 epochs``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith(('tch', 'sh', 's', 'x')) else 's'}"
 
 
 # ---------------------------------------------------------------- starting and resuming
