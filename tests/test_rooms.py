@@ -43,6 +43,7 @@ ROOMS: dict[str, int] = {
     "resume": 4,
     "watchdog": 4,
     "run": 5,
+    "states": 5,  # what each state does (the trainer's loop calls it with the trainer and its Run)
     "trainer": 5,
     "hooks": 6,
 }
