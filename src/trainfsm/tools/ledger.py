@@ -128,6 +128,7 @@ class Check:
         self.broken: set[int] = set()  # ranks with a break
         self.pairs = self.differ = 0  # fingerprint pairs compared, and those that differ
         self.unpaired: list[str] = []  # same-size resumes whose first micro-batch had nothing to match
+        self.mapped = False  # across world sizes: the kept micro-batches were mapped to positions and checked
 
     def problem(self, r: RankAttempt, message: str, line: int | None = None) -> None:
         self.out.problems.append(Problem(KIND, message, r.file, line or r.end_line, r.rank, r.attempt))
@@ -365,6 +366,7 @@ class Check:
             self.note(f"the data ledger cannot be checked across world size {change}: {cannot}")
             self.out.lines.append(f"all ranks, world size {change}: cannot be checked: {cannot}")
             return
+        self.mapped = True
         approximate = [a for a in self.lineage if any(s.how == "approximate" for s in self.segments[a].values())]
         for finding in findings:
             text, blame = ledger_words.finding(finding, stretches)
@@ -380,6 +382,9 @@ class Check:
     def _cannot_map(self) -> str:
         """Why the lineage's micro-batches cannot be mapped to positions, or ""."""
         for a in self.lineage:
+            unseen = self._unseen(a)
+            if unseen:
+                return f"attempt {a} on {ranks_count(self._world(a))}: {unseen}; which samples it drew is unknown"
             for seg in self.segments[a].values():
                 if seg.how in ("nothing", "complete"):
                     continue
@@ -390,6 +395,24 @@ class Check:
                 if layout.get("order") != "distributed" or not layout.get("batch_size"):
                     why = f"the order of its samples is unknown: {layout.get('why')}"
                     return f"attempt {a} on {ranks_count(seg.world)}: {why}"
+        return ""
+
+    def _world(self, a: int) -> int | None:
+        return next((s.world for s in self.segments[a].values() if s.how != "nothing"), None)
+
+    def _unseen(self, a: int) -> str:
+        """The ranks of attempt ``a`` whose draws its trail lacks while others drew: no file of
+        theirs, or a trail that ends before their data was positioned; "" when none."""
+        began = [s for s in self.segments[a].values() if s.how not in ("nothing", "complete")]
+        world = self._world(a)
+        if not began or world is None:
+            return ""
+        missing = [rank for rank in range(world) if rank not in self.segments[a]]
+        ended = [s.r.rank for s in self.segments[a].values() if s.how == "nothing"]
+        if missing:
+            return f"the trail has no record of {ranks_text(missing)}"
+        if ended:
+            return f"the trail of {ranks_text(ended)} ends before its data was positioned"
         return ""
 
     def _stretches(self) -> tuple[list[coverage.Stretch], dict[int, int], dict[int, int]]:

@@ -253,7 +253,11 @@ def checked(check: Check, sizes: list[int]) -> str:
             f"the micro-batch the saving run drew next ({check.unpaired[0]}{more})"
         )
     assumed = "the loader draws its order between fingerprints"
-    if len(sizes) > 1:
+    if len(sizes) > 1 and not check.mapped:
+        parts.append(
+            f"across world size {' → '.join(map(str, sizes))}: not mapped to positions (cannot be checked: see notes)"
+        )
+    elif len(sizes) > 1:
         parts.append(
             f"across world size {' → '.join(map(str, sizes))}: each rank's kept micro-batches mapped to positions of "
             f"each epoch's order (rank r of W holds the positions p with p % W == r), their union checked to be a "
