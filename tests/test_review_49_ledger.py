@@ -10,7 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tests.test_ledger_sizes import CLEAN, cli_audit, edited, ledger_problems
+from tests.test_data_reshard import assert_each_sample_once, in_process, resumed
+from tests.test_ledger_sizes import CLEAN, DATA, cli_audit, edited, ledger_problems
 from trainfsm.tools import audit
 from trainfsm.tools.ledger import proven
 
@@ -77,4 +78,51 @@ def test_what_was_checked_does_not_claim_the_positions_were_checked_when_they_co
     assert checked.endswith(
         "across world size 4 → 2 → 3: not mapped to positions (cannot be checked: see notes); assumed: the loader "
         "draws its order between fingerprints"
+    )
+
+
+# ---------------------------------------------------------------- another per-rank batch at the same world size
+def test_a_resume_with_half_the_per_rank_batch_on_as_many_ranks_trains_each_sample_once_and_the_ledger_proves_it(
+    tmp_path: Path,
+) -> None:
+    """The global batch kept (24), the per-rank batch halved after a preemption (2 → 1, the
+    accumulation 6 → 12: the usual answer to running out of memory): the 18 micro-batches each rank
+    drew are 72 positions, which the new batches reach at micro-batch 36, not 18. Before: each rank
+    skipped 18 of its own, 36 samples of epoch 0 were trained twice and 36 of epoch 1 never, the
+    trail said ``global`` 72 and ``exact``, and audit blamed the loader."""
+    workspace = tmp_path / "ws"
+    assert set(in_process(workspace, 2, "--preempt-at", "2").values()) == {138}
+    assert set(in_process(workspace, 2, "--batch", "1").values()) == {0}
+    assert_each_sample_once(workspace)
+    (resume,) = resumed(workspace)
+    assert (resume["batches"], resume["global"], resume["exact"]) == (36, {"epoch": 0, "samples": 72}, True)
+    report = audit.audit([workspace])
+    assert ledger_problems(report) == []
+    (line,) = report.ledger
+    assert line.startswith(
+        "all ranks, world size 2, per-rank batch 2 → 1: attempt 0 on 2 ranks with batches of 2 kept epoch 0 positions "
+        "0-71 (epoch 0 micro-batches 0-17 of each rank; steps 1-3, saved in checkpoint 3); attempt 1 on 2 ranks with "
+        "batches of 1 resumed checkpoint 3 and kept epoch 0 positions 72-95 and epoch 1 positions 0-95 (epoch 0 "
+        "micro-batches 36-47 and epoch 1 micro-batches 0-47 of each rank; steps 4-8)"
+    )
+    assert proven(line)
+
+
+def test_a_resume_that_kept_the_micro_batch_count_when_the_batch_halved_is_caught_with_the_samples_trained_twice() -> (
+    None
+):
+    """``tests/data/reshard/rebatched``: the same run recorded by trainfsm before the fix (each rank
+    resumed at its own micro-batch 18 with batches of 1: position 36, not 72). Before, the ledger
+    compared counts as at one world size and blamed the loader ("did not resume where it said")."""
+    report = audit.audit([DATA / "rebatched"])
+    assert ledger_problems(report) == [
+        "attempt 1 on 2 ranks says it continued checkpoint 3's position 72 of epoch 0 (data_resumed.global), but "
+        "ranks 0-1 counted from micro-batch 18 of epoch 0, which is position 36 at 2 ranks with batches of 1: the "
+        "ranks did not skip to the global position",
+        "world size 2, per-rank batch 2 → 1, epoch 0: 36 positions of its order trained twice, from position 36 to 71 "
+        "(position 36: attempt 0 rank 0 and attempt 1 rank 0)",
+    ]
+    assert report.ledger_checked.endswith(
+        "assumed: the loader draws its order between fingerprints; on another world size or per-rank batch (no "
+        "fingerprint pairs there), that the loader skipped to its count"
     )

@@ -25,12 +25,14 @@ come from: the last attempt, the one that saved the checkpoint it resumed from, 
 - **no silent restart**: a fresh start after an earlier attempt saved a complete checkpoint, without
   ``CheckpointingHook(load=None)``, trains those micro-batches again.
 
-Across a change of world size (``data_layout``, format 4), each rank's kept micro-batches are mapped
-to positions of each epoch's order (``trainfsm.tools.coverage``): per epoch their union must be a
-prefix of the order, no position twice, or the first position twice or skipped is named.
+Across a change of world size or of per-rank batch size (``data_layout``, format 4), each rank's
+kept micro-batches are mapped to positions of each epoch's order (``trainfsm.tools.ledger_positions``,
+``trainfsm.tools.coverage``): per epoch their union must be a prefix of the order, no position
+twice, or the first position twice or skipped is named.
 
 A break is a run problem of kind ``ledger`` (``trainfsm audit`` exits 1). What cannot be checked
-(an older trainfsm's trail, ``data_resume="none"``, a change of world size without a known order)
+(an older trainfsm's trail, ``data_resume="none"``, a change of world size without a known order
+or with a rank whose draws the trail lacks)
 is a note, and the line says so: the ledger never certifies what it did not check. A resume the user
 accepted as approximate (``CheckpointingHook(data_reshard="approximate")``) is a note with what it
 cost.
@@ -41,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from trainfsm.tools import coverage, ledger_fingerprints, ledger_words
+from trainfsm.tools import coverage, ledger_fingerprints, ledger_positions, ledger_words
 from trainfsm.tools.ledger_words import ONCE, POSITIONS_ONCE, micro_text, proven, ranks_count
 from trainfsm.tools.replay import Problem, RankAttempt
 from trainfsm.tools.report import AttemptReport
@@ -53,7 +55,7 @@ __all__ = ["KIND", "ONCE", "POSITIONS_ONCE", "Ledger", "Segment", "check", "prov
 KIND: Final = "ledger"
 
 Position = tuple[int, int]  # (epoch, micro-batches drawn in it)
-Key = tuple[int, int | None, int, int]  # a fingerprint's (rank, world size, epoch, micro-batch)
+Key = tuple[int, int | None, int | None, int, int]  # a fingerprint's (rank, world size, batch size, epoch, micro-batch)
 
 
 @dataclass(slots=True)
@@ -88,6 +90,11 @@ class Segment:
     @property
     def world(self) -> int | None:
         return (self.r.data.layout or {}).get("world_size") or self.r.world_size
+
+    @property
+    def batch(self) -> int | None:
+        """The per-rank batch size its micro-batches hold (None: not recorded, an older trail)."""
+        return (self.r.data.layout or {}).get("batch_size")
 
     @property
     def end(self) -> Position | None:
@@ -153,12 +160,12 @@ class Check:
                 self._resumed_as_saved(seg)
             self._continued_as_saved(list(segments.values()))
         ledger_fingerprints.compare(self)
-        sizes = self.sizes()
-        if len(sizes) > 1:
-            self._across_sizes(sizes)
+        sizes, batches = self.sizes(), self.batches()
+        if len(sizes) > 1 or len(batches) > 1:  # micro-batch counts mean other samples: positions
+            ledger_positions.across(self, ledger_words.change(sizes, batches))
         else:
             ledger_words.rank_lines(self)
-        self.out.checked = ledger_words.checked(self, sizes)
+        self.out.checked = ledger_words.checked(self, sizes, batches)
         return self.out
 
     # ---------------------------------------------------------------- where each attempt began
@@ -264,7 +271,7 @@ class Check:
         r = seg.r
         if seg.how != "resumed" or seg.save is None or seg.begin is None or seg.parent is None:
             return
-        if self.world_of(seg.parent, r.rank) != seg.world:  # another world size: positions, not counts
+        if self.relaid(seg.parent, seg):  # another world size or batch: positions, not counts
             return
         saved = saved_position(seg.save["data"], r.rank)
         if saved is None or saved == seg.begin:
@@ -290,7 +297,7 @@ class Check:
             s
             for s in segments
             if s.how == "resumed" and s.save is not None and s.parent is not None and s.begin is not None
-            and self.world_of(s.parent, s.r.rank) not in (None, s.world)
+            and self.world_of(s.parent, s.r.rank) is not None and self.relaid(s.parent, s)
         ]  # fmt: skip
         if not resized:
             return
@@ -334,6 +341,15 @@ class Check:
         seg = self.segments[attempt].get(rank)
         return seg.world if seg is not None else None
 
+    def relaid(self, attempt: int, seg: Segment) -> bool:
+        """Whether ``seg`` draws micro-batches of another shape than its rank did in ``attempt``
+        (another world size, or another per-rank batch size where both are recorded), or its rank
+        was not there: its counts are then compared as positions, not as counts."""
+        before = self.segments[attempt].get(seg.r.rank)
+        if before is None or before.world != seg.world:
+            return True
+        return before.batch is not None and seg.batch is not None and before.batch != seg.batch
+
     def _ancestors(self, attempt: int) -> list[int]:
         found, at = [], self.parent.get(attempt)
         while at is not None:
@@ -352,88 +368,12 @@ class Check:
                     sizes.append(world)
         return sizes
 
-    def _across_sizes(self, sizes: list[int]) -> None:
-        change = " → ".join(map(str, sizes))
-        cannot = self._cannot_map()
-        stretches: list[coverage.Stretch] = []
-        if not cannot:
-            stretches, ends, begins = self._stretches()
-            try:
-                findings = coverage.check(stretches, ends, begins)
-            except ValueError as error:
-                cannot = str(error)
-        if cannot:
-            self.note(f"the data ledger cannot be checked across world size {change}: {cannot}")
-            self.out.lines.append(f"all ranks, world size {change}: cannot be checked: {cannot}")
-            return
-        self.mapped = True
-        approximate = [a for a in self.lineage if any(s.how == "approximate" for s in self.segments[a].values())]
-        for finding in findings:
-            text, blame = ledger_words.finding(finding, stretches)
-            if approximate:  # accepted: what it cost is a note
-                which = ", ".join(map(str, approximate))
-                self.note(f"attempt {which} continued approximately, as accepted: epoch {finding.epoch}: {text}")
-                continue
-            seg = self.segments[blame[0]].get(blame[1]) or next(iter(self.segments[blame[0]].values()))
-            line = (seg.r.data.start or {}).get("line")
-            self.problem(seg.r, f"world size {change}, epoch {finding.epoch}: {text}", line)
-        self.out.lines.append(ledger_words.positions_line(self, change, stretches, approximate))
-
-    def _cannot_map(self) -> str:
-        """Why the lineage's micro-batches cannot be mapped to positions, or ""."""
+    def batches(self) -> list[int]:
+        """The lineage's per-rank batch sizes where recorded, each change once: [2, 1]."""
+        batches: list[int] = []
         for a in self.lineage:
-            unseen = self._unseen(a)
-            if unseen:
-                return f"attempt {a} on {ranks_count(self._world(a))}: {unseen}; which samples it drew is unknown"
-            for seg in self.segments[a].values():
-                if seg.how in ("nothing", "complete"):
-                    continue
-                layout = seg.r.data.layout
-                if seg.how == "unchecked" or layout is None:
-                    why = seg.why or f"its trail (format {seg.r.format}) records no data layout"
-                    return f"attempt {a} on {ranks_count(seg.world)}: {why}; which samples each rank drew is unknown"
-                if layout.get("order") != "distributed" or not layout.get("batch_size"):
-                    why = f"the order of its samples is unknown: {layout.get('why')}"
-                    return f"attempt {a} on {ranks_count(seg.world)}: {why}"
-        return ""
-
-    def _world(self, a: int) -> int | None:
-        return next((s.world for s in self.segments[a].values() if s.how != "nothing"), None)
-
-    def _unseen(self, a: int) -> str:
-        """The ranks of attempt ``a`` whose draws its trail lacks while others drew: no file of
-        theirs, or a trail that ends before their data was positioned; "" when none."""
-        began = [s for s in self.segments[a].values() if s.how not in ("nothing", "complete")]
-        world = self._world(a)
-        if not began or world is None:
-            return ""
-        missing = [rank for rank in range(world) if rank not in self.segments[a]]
-        ended = [s.r.rank for s in self.segments[a].values() if s.how == "nothing"]
-        if missing:
-            return f"the trail has no record of {ranks_text(missing)}"
-        if ended:
-            return f"the trail of {ranks_text(ended)} ends before its data was positioned"
-        return ""
-
-    def _stretches(self) -> tuple[list[coverage.Stretch], dict[int, int], dict[int, int]]:
-        """What each rank of the lineage kept, as positions; where each epoch it finished ends; and
-        the position a lineage that begins with a resume from another trail's checkpoint took as given."""
-        stretches: list[coverage.Stretch] = []
-        ends: dict[int, int] = {}
-        begins: dict[int, int] = {}
-        for a in self.lineage:
-            for seg in self.segments[a].values():
-                if seg.begin is None or seg.kept_to is None or seg.how in ("nothing", "complete"):
-                    continue
-                layout = seg.r.data.layout or {}
-                shape = {"batch": int(layout["batch_size"]), "world": int(layout["world_size"])}
-                samples = layout.get("epoch_samples")
-                for epoch, first, end in seg.spans(seg.begin, seg.kept_to):
-                    stretches.append(
-                        coverage.stretch(epoch, first, end, rank=seg.r.rank, attempt=a, epoch_samples=samples, **shape)
-                    )
-                if samples is not None:
-                    ends.update(dict.fromkeys(range(seg.begin[0], seg.kept_to[0]), int(samples)))
-                if a == self.lineage[0] and seg.how != "fresh" and seg.save is None:
-                    begins[seg.begin[0]] = coverage.position_after(seg.begin[1], epoch_samples=samples, **shape)
-        return stretches, ends, begins
+            known = {s.batch for s in self.segments[a].values() if s.how != "nothing" and s.batch is not None}
+            for batch in sorted(known):
+                if not batches or batches[-1] != batch:
+                    batches.append(batch)
+        return batches

@@ -191,7 +191,13 @@ def positions_line(check: Check, change: str, stretches: list[coverage.Stretch],
         verdict = POSITIONS_BROKEN
     else:
         verdict = POSITIONS_ONCE
-    return f"all ranks, world size {change}: {'; '.join(parts)}{_epoch_size(check)}: {verdict}"
+    return f"all ranks, {change}: {'; '.join(parts)}{_epoch_size(check)}: {verdict}"
+
+
+def change(sizes: list[int], batches: list[int]) -> str:
+    """``world size 4 → 2``; ``world size 2, per-rank batch 2 → 1`` when the batch changed too."""
+    text = f"world size {' → '.join(map(str, sizes))}"
+    return text + (f", per-rank batch {' → '.join(map(str, batches))}" if len(batches) > 1 else "")
 
 
 def _epoch_size(check: Check) -> str:
@@ -214,6 +220,8 @@ def _attempt_part(check: Check, a: int, stretches: list[coverage.Stretch]) -> st
         return f"attempt {a} ended before its data was positioned: drew nothing"
     first = segs[0]
     head = f"attempt {a} on {ranks_count(first.world)}"
+    if len(check.batches()) > 1 and first.batch is not None:
+        head += f" with batches of {first.batch}"
     if first.how == "complete":
         return f"{head} resumed checkpoint {first.r.resumed_from_step} at max_steps: nothing left to draw"
     if first.save is not None:
@@ -233,17 +241,19 @@ def _attempt_part(check: Check, a: int, stretches: list[coverage.Stretch]) -> st
 
 
 # -------------------------------------------------------------------- how
-def checked(check: Check, sizes: list[int]) -> str:
+def checked(check: Check, sizes: list[int], batches: list[int]) -> str:
     """What was proven and how, then what was assumed: ``micro-batches counted ...; 2 fingerprint
     pairs compared, all equal; assumed: ...``."""
     if not check.segments:
         return ""
+    across = len(sizes) > 1 or len(batches) > 1
     parts = ["micro-batches counted on each rank from its trail (each draw, epoch, save and resume)"]
     if check.pairs:
         equal = "all equal" if not check.differ else f"{check.differ} differ"
         parts.append(f"{check.pairs} fingerprint pair{'s' if check.pairs > 1 else ''} compared, {equal}")
-    elif len(sizes) > 1 and not check.unpaired:
-        parts.append("no fingerprint could be paired (each resume changed the world size)")
+    elif across and not check.unpaired:
+        what = "world size" if len(batches) < 2 else "per-rank batch" if len(sizes) < 2 else "world size or batch"
+        parts.append(f"no fingerprint could be paired (each resume changed the {what})")
     else:
         parts.append("no fingerprint could be paired")
     if check.unpaired:
@@ -253,15 +263,14 @@ def checked(check: Check, sizes: list[int]) -> str:
             f"the micro-batch the saving run drew next ({check.unpaired[0]}{more})"
         )
     assumed = "the loader draws its order between fingerprints"
-    if len(sizes) > 1 and not check.mapped:
+    if across and not check.mapped:
+        parts.append(f"across {change(sizes, batches)}: not mapped to positions (cannot be checked: see notes)")
+    elif across:
         parts.append(
-            f"across world size {' → '.join(map(str, sizes))}: not mapped to positions (cannot be checked: see notes)"
-        )
-    elif len(sizes) > 1:
-        parts.append(
-            f"across world size {' → '.join(map(str, sizes))}: each rank's kept micro-batches mapped to positions of "
+            f"across {change(sizes, batches)}: each rank's kept micro-batches mapped to positions of "
             f"each epoch's order (rank r of W holds the positions p with p % W == r), their union checked to be a "
             f"prefix of each epoch's order with no position twice"
         )
-        assumed += "; on another world size (no fingerprint pairs there), that the loader skipped to its count"
+        other = "world size" if len(batches) < 2 else "world size or per-rank batch"
+        assumed += f"; on another {other} (no fingerprint pairs there), that the loader skipped to its count"
     return f"{'; '.join(parts)}; assumed: {assumed}"
