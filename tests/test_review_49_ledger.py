@@ -126,3 +126,19 @@ def test_a_resume_that_kept_the_micro_batch_count_when_the_batch_halved_is_caugh
         "assumed: the loader draws its order between fingerprints; on another world size or per-rank batch (no "
         "fingerprint pairs there), that the loader skipped to its count"
     )
+
+
+def test_at_one_world_size_a_rank_whose_trail_is_missing_has_a_line_that_says_it_was_not_checked(
+    tmp_path: Path,
+) -> None:
+    """``tests/data/reshard/same_size``: 2 ranks preempted in step 3 and resumed on 2. Without rank 1's
+    file the only line was rank 0's, "each micro-batch kept once", as if it spoke for the run."""
+    shutil.copytree(DATA / "same_size" / "logs", tmp_path / "logs")
+    assert audit.audit([tmp_path]).ledger[0].endswith(": each micro-batch kept once, none skipped")
+    (tmp_path / "logs" / "events.rank1.jsonl").unlink()
+    report = audit.audit([tmp_path])
+    assert report.ledger[1:] == [
+        "rank 1: attempt 0: not checked (the trail has no record of this rank); attempt 1: not checked (the trail "
+        "has no record of this rank): not proven: attempt 0, 1 not checked (see notes)"
+    ]
+    assert not proven(report.ledger[1]) and ledger_problems(report) == []

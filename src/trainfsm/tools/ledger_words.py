@@ -95,7 +95,12 @@ def rank_lines(check: Check) -> None:
             texts[rank] = f"{texts[rank]}; {part}" if rank in texts else part
             if seg.how == "unchecked":
                 unchecked.setdefault(rank, []).append(a)
-    for rank in texts:
+        world = next((s.world for s in segments.values() if s.world), 0)
+        for rank in (rank for rank in range(world) if rank not in segments):  # its file lost: never certified
+            part = f"attempt {a}: not checked (the trail has no record of this rank)"
+            texts[rank] = f"{texts[rank]}; {part}" if rank in texts else part
+            unchecked.setdefault(rank, []).append(a)
+    for rank in sorted(texts):
         if rank in check.broken:
             verdict = BROKEN
         elif rank in unchecked:
