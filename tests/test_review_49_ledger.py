@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,38 @@ def test_at_one_world_size_a_rank_whose_trail_is_missing_has_a_line_that_says_it
         "has no record of this rank): not proven: attempt 0, 1 not checked (see notes)"
     ]
     assert not proven(report.ledger[1]) and ledger_problems(report) == []
+
+
+# ---------------------------------------------------------------- a killed last attempt on another world size
+def killed_in_step_8() -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    """An edit: attempt 2 (3 ranks) SIGKILLed in step 8, before its save. Each rank's trail ends at
+    its last flush: rank 2's after 2 of the step's 4 micro-batches, ranks 0-1's after all 4."""
+    drawn: dict[int, int] = {}
+    cut: set[int] = set()
+
+    def edit(event: dict[str, Any]) -> dict[str, Any] | None:
+        rank = event["rank"]
+        if event["attempt"] != 2 or rank in cut:
+            return None if rank in cut and event["attempt"] == 2 else event
+        if event["event"] == "transition" and event["dest"] != "RESTORE" and event["source"] != "RESTORE":
+            drawn[rank] = drawn.get(rank, 0) + (event["dest"] == "ACCUMULATE")
+            if drawn[rank] > (2 if rank == 2 else 4) or event["dest"] == "CHECKPOINT":
+                cut.add(rank)
+                return None
+        return event
+
+    return edit
+
+
+def test_a_killed_last_attempt_whose_ranks_trails_end_apart_is_not_a_gap_at_the_epochs_end(tmp_path: Path) -> None:
+    """Before: "[ledger] epoch 1: 4 positions of its order never trained, from position 86 to 95 (the
+    epoch's end)", beside the kill: rank 2's last draws were never written, not never trained."""
+    report = audit.audit([edited(tmp_path, killed_in_step_8())])
+    assert ledger_problems(report) == []
+    assert [p.kind for p in report.run_problems] == ["killed"]
+    assert (
+        "attempt 2 was killed and its ranks' trails end at different micro-batches (each where it was last "
+        "written): epoch 1 is checked up to position 83; what its ranks drew after that is not known"
+    ) in [n.message for n in report.notes]
+    (line,) = report.ledger
+    assert "attempt 2 on 3 ranks resumed checkpoint 7 and kept epoch 1 positions 72-83 (ranks 0-1: epoch 1 " in line

@@ -7,6 +7,7 @@ the trail lacks) is said, never certified."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from trainfsm.tools import coverage, ledger_words
@@ -105,4 +106,29 @@ def _stretches(check: Check) -> tuple[list[coverage.Stretch], dict[int, int], di
                 ends.update(dict.fromkeys(range(seg.begin[0], seg.kept_to[0]), int(samples)))
             if a == check.lineage[0] and seg.how != "fresh" and seg.save is None:
                 begins[seg.begin[0]] = coverage.position_after(seg.begin[1], epoch_samples=samples, **shape)
-    return stretches, ends, begins
+    return _killed_last(check, stretches), ends, begins
+
+
+def _killed_last(check: Check, stretches: list[coverage.Stretch]) -> list[coverage.Stretch]:
+    """A killed last attempt's ranks each kept up to where their trails were last written: a lower
+    bound, and the bounds differ by what each rank had not flushed. Its last epoch is checked up to
+    the lowest of them (what its ranks drew past it is not known: not "never trained"), and a note
+    says so."""
+    last = check.lineage[-1]
+    if all(s.r.exit is not None for s in check.segments[last].values() if s.how not in ("nothing", "complete")):
+        return stretches
+    mine = [s for s in stretches if s.attempt == last]
+    if not mine:
+        return stretches
+    epoch = max(s.epoch for s in mine)
+    there = [s for s in mine if s.epoch == epoch]
+    world = there[0].world
+    known = min(s.hi for s in there) if len({s.rank for s in there}) == world else min(s.lo for s in there)
+    if known >= max(s.hi for s in there):
+        return stretches
+    check.note(
+        f"attempt {last} was killed and its ranks' trails end at different micro-batches (each where it was last "
+        f"written): epoch {epoch} is checked up to position {known - 1}; what its ranks drew after that is not known"
+    )
+    cut = [replace(s, hi=min(s.hi, known)) if s.attempt == last and s.epoch == epoch else s for s in stretches]
+    return [s for s in cut if s.hi > s.lo]
