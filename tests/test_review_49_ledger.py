@@ -11,8 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.test_data_order import layout, saved
 from tests.test_data_reshard import assert_each_sample_once, in_process, resumed
 from tests.test_ledger_sizes import CLEAN, DATA, cli_audit, edited, ledger_problems
+from trainfsm import data_order
 from trainfsm.tools import audit
 from trainfsm.tools.ledger import proven
 
@@ -178,3 +180,18 @@ def test_a_killed_last_attempt_whose_ranks_trails_end_apart_is_not_a_gap_at_the_
     ) in [n.message for n in report.notes]
     (line,) = report.ledger
     assert "attempt 2 on 3 ranks resumed checkpoint 7 and kept epoch 1 positions 72-83 (ranks 0-1: epoch 1 " in line
+
+
+# ---------------------------------------------------------------- the trainer's words where it refuses
+def test_a_padded_order_is_refused_for_its_padding_not_for_epochs_that_end_differently() -> None:
+    """98 samples pad to 100 positions at 4 ranks and at 5 (batches of 1, no global_batch_size):
+    a real run refused with "an epoch trains 100 positions of its order at world size 4 and 100 at 5
+    (of 98 samples): the epochs end differently", which they do not."""
+    old = [saved((0, 5), layout(98, 4, r, 1, None)) for r in range(4)]
+    found = data_order.continue_at(old, layout(98, 5, 0, 1, None))
+    assert not found.exact
+    assert found.reason == (
+        "DistributedSampler pads each epoch's order of 98 samples to 100 positions (at world size 4 and at 5), "
+        "repeating 2 of its samples: an epoch trains those twice at any size (state global_batch_size so that each "
+        "epoch ends at its last full global batch)"
+    )
