@@ -195,3 +195,54 @@ def test_a_padded_order_is_refused_for_its_padding_not_for_epochs_that_end_diffe
         "repeating 2 of its samples: an epoch trains those twice at any size (state global_batch_size so that each "
         "epoch ends at its last full global batch)"
     )
+
+
+# ---------------------------------------------------------------- a save whose event was never written
+def save_unlogged(restarted: bool = False) -> Callable[[dict[str, Any]], dict[str, Any] | None]:
+    """An edit of ``same_size``: attempt 0 killed once checkpoint 3 was durable, before its
+    ``checkpoint_saved`` was written (an asynchronous save is logged at the next step's start). With
+    ``restarted``, attempt 1's loader began the epoch again (a ``load_state_dict`` that does nothing):
+    its first draw is the one attempt 0 drew first in epoch 0."""
+    first: dict[int, str] = {}
+
+    def edit(event: dict[str, Any]) -> dict[str, Any] | None:
+        if event["attempt"] == 0:
+            if event["event"] == "epoch" and event["epoch"] == 0:
+                first[event["rank"]] = event["fingerprint"]
+            gone = event["event"] in ("checkpoint_saved", "checkpoint_pruned", "exit")
+            return None if gone or (event["event"] == "transition" and event["dest"] == "EXIT") else event
+        if restarted and event["event"] == "batch_fingerprint" and event["after"] == "resume":
+            return {**event, "fingerprint": first[event["rank"]]}
+        return event
+
+    return edit
+
+
+def test_a_resume_from_a_save_whose_event_was_lost_is_checked_against_the_counts_at_that_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Before: "attempt 0 drew epoch 0 micro-batches 0-17, not kept: no later attempt resumed from its
+    checkpoints", the resume's position "taken as given", no fingerprint paired."""
+    report = audit.audit([edited(tmp_path, save_unlogged(), DATA / "same_size")])
+    assert report.ledger == [
+        "ranks 0-1: attempt 0 kept epoch 0 micro-batches 0-17 (steps 1-3, saved in checkpoint 3); attempt 1 resumed "
+        "checkpoint 3 and kept epoch 0 micro-batches 18-23 and epoch 1 micro-batches 0-23 (steps 4-8): each "
+        "micro-batch kept once, none skipped"
+    ]
+    assert "2 fingerprint pairs compared, all equal" in report.ledger_checked
+    assert (
+        "attempt 1: resumed from checkpoint 3 (runs/reshard/checkpoints/3), whose checkpoint_saved attempt 0 never "
+        "wrote (killed before logging it, as after an asynchronous save): its position is taken from what attempt "
+        "0's ranks counted entering CHECKPOINT at step 3"
+    ) in [n.message for n in report.notes]
+
+
+def test_a_loader_that_restarted_the_epoch_after_such_a_resume_is_caught_not_certified(tmp_path: Path) -> None:
+    """Before: "each micro-batch kept once, none skipped", while micro-batches 0-17 were trained twice."""
+    report = audit.audit([edited(tmp_path, save_unlogged(restarted=True), DATA / "same_size")])
+    assert ledger_problems(report)[0] == (
+        "rank 0, attempt 1 resumed at epoch 0 micro-batch 0 (the micro-batch it drew first is the one attempt 0 drew "
+        "first in epoch 0), not at micro-batch 18 of epoch 0 as checkpoint 3 saved: micro-batches 0-17 of epoch 0 "
+        "trained twice"
+    )
+    assert not any(proven(line) for line in report.ledger)

@@ -181,7 +181,7 @@ class Check:
         seg = Segment(r, start["how"], start.get("why"))
         loaded = r.loaded[-1] if r.loaded else None
         if loaded is not None and seg.how != "fresh":
-            found = self.saves.get((int(loaded["step"]), loaded.get("checksum")))
+            found = self.saves.get((int(loaded["step"]), loaded.get("checksum"))) or self._unlogged(r, loaded)
             if found is not None:
                 seg.parent, seg.save = found
         if seg.how == "fresh":
@@ -210,6 +210,35 @@ class Check:
                     f"its position is taken as given"
                 )
         return self._unchecked(seg) if seg.how == "unchecked" else seg
+
+    def _unlogged(self, r: RankAttempt, loaded: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        """The save of a checkpoint ``r`` loaded that no ``checkpoint_saved`` records: an asynchronous
+        save is logged at the step after it became durable, so a kill in between loses the event.
+        The latest earlier attempt, killed, that logged no save of that step and whose every rank
+        entered CHECKPOINT at it saved it; its position is what they counted there (what the event
+        would have said). None if none did (another run's checkpoint)."""
+        step = int(loaded["step"])
+        for attempt in reversed([a for a in self.attempts if a.attempt < r.attempt]):
+            logged = any(int(save["step"]) == step for x in attempt.ranks for save in x.saved)
+            if not attempt.killed or logged:
+                continue
+            ranks = sorted(attempt.ranks, key=lambda x: x.rank)
+            counted = [x.data.positions[step] for x in ranks if step in x.data.positions]
+            if [x.rank for x in ranks] != list(range(ranks[0].world_size or 0)) or len(counted) != len(ranks):
+                continue
+            data: dict[str, Any] = {"ranks": [list(c) for c in counted]}
+            if len(set(counted)) == 1:
+                data = {"epoch": counted[0][0], "batches": counted[0][1]}
+            save = {"step": step, "path": loaded.get("path"), "checksum": loaded.get("checksum"), "data": data}
+            self.saves[(step, loaded.get("checksum"))] = (attempt.attempt, save)
+            self.note(
+                f"attempt {r.attempt}: resumed from checkpoint {step} ({loaded.get('path')}), whose checkpoint_saved "
+                f"attempt {attempt.attempt} never wrote (killed before logging it, as after an asynchronous save): "
+                f"its position is taken from what attempt {attempt.attempt}'s ranks counted entering CHECKPOINT at "
+                f"step {step}"
+            )
+            return attempt.attempt, save
+        return None
 
     def _unchecked(self, seg: Segment) -> Segment:
         self.note(f"attempt {seg.r.attempt}: the data ledger is not checked: {seg.why}")
