@@ -246,3 +246,16 @@ def test_a_loader_that_restarted_the_epoch_after_such_a_resume_is_caught_not_cer
         "trained twice"
     )
     assert not any(proven(line) for line in report.ledger)
+
+
+def test_a_trail_that_begins_with_a_resume_says_under_assumed_that_the_position_was_taken_as_given(
+    tmp_path: Path,
+) -> None:
+    """Attempt 0's records gone (another run's checkpoint, or a trail kept from attempt 1 on): the
+    resume's position is not checked. Before, only a note said so; ``checked`` listed nothing assumed
+    beyond the loader."""
+    report = audit.audit([edited(tmp_path, lambda e: None if e["attempt"] == 0 else e, DATA / "same_size")])
+    assert report.ledger_checked.endswith(
+        "assumed: the loader draws its order between fingerprints; that checkpoint 3, which no attempt of this trail "
+        "saved, holds the data position attempt 1 resumed"
+    )

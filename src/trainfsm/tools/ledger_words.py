@@ -268,6 +268,17 @@ def checked(check: Check, sizes: list[int], batches: list[int]) -> str:
             f"the micro-batch the saving run drew next ({check.unpaired[0]}{more})"
         )
     assumed = "the loader draws its order between fingerprints"
+    given = {  # a lineage that begins with a resume from a checkpoint this trail did not save
+        (int(seg.r.data.start["from_step"]), seg.r.attempt)
+        for a in check.lineage[:1]
+        for seg in check.segments[a].values()
+        if seg.how in ("resumed", "approximate") and seg.save is None and seg.r.data.start
+    }
+    for step, attempt in sorted(given)[:1]:
+        assumed += (
+            f"; that checkpoint {step}, which no attempt of this trail saved, holds the data position attempt "
+            f"{attempt} resumed"
+        )
     if across and not check.mapped:
         parts.append(f"across {change(sizes, batches)}: not mapped to positions (cannot be checked: see notes)")
     elif across:
