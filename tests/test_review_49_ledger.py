@@ -1,7 +1,15 @@
 """The data ledger as a second reviewer of issue 49 found it: each test is a finding (it failed
 before its fix), now the behaviour that holds. The trails are the real ones of
 ``tests/test_ledger_sizes.py`` (``tests/faults/reshard_trails.py``), edited where a case needs it,
-or runs of ``tests/distributed/reshard_worker.py`` made here."""
+or runs of ``tests/distributed/reshard_worker.py`` made here. Three more real trails of that worker
+(ranks as processes of their own, ``tests.distributed.launch.Ranks``, ``--self-signal``; the workspace
+replaced by ``runs/reshard``) are checked in under ``tests/data/reshard``:
+
+- ``rebatched``: 2 ranks ``--preempt-at 2``, then 2 ranks ``--batch 1``, by trainfsm before the fix of
+  a resume with another per-rank batch size (each rank resumed at its own count);
+- ``same_size``: 2 ranks ``--preempt-at 2``, then 2 ranks;
+- ``abandoned``: 4 ranks ``--preempt-at 2``; 2 ranks ``--micro-seconds 0.3`` killed (SIGKILL) after
+  9 s, before any save; 3 ranks to the end (from checkpoint 3 again)."""
 
 from __future__ import annotations
 
@@ -259,3 +267,17 @@ def test_a_trail_that_begins_with_a_resume_says_under_assumed_that_the_position_
         "assumed: the loader draws its order between fingerprints; that checkpoint 3, which no attempt of this trail "
         "saved, holds the data position attempt 1 resumed"
     )
+
+
+# ---------------------------------------------------------------- an attempt off the lineage on another size
+def test_an_attempt_nobody_resumed_is_in_the_line_across_world_sizes_with_what_it_drew(tmp_path: Path) -> None:
+    """``tests/data/reshard/abandoned``: preempted at 4 ranks (checkpoint 3), resumed at 2 and killed
+    in step 5 before any save, resumed from checkpoint 3 again at 3 ranks to the end. Before, the line
+    ("world size 4 → 3") left attempt 1 out: a run on 2 ranks that the ledger never mentioned."""
+    (line,) = audit.audit([DATA / "abandoned"]).ledger
+    assert (
+        "; attempt 1 on 2 ranks resumed checkpoint 3 and drew epoch 0 micro-batches 18-23 of each rank (step 4; at "
+        "least: their trails end there), not kept: it saved no checkpoint; attempt 2 on 3 ranks resumed checkpoint 3 "
+        "and kept epoch 0 positions 72-95 and epoch 1 positions 0-95 "
+    ) in line
+    assert line.startswith("all ranks, world size 4 → 3: attempt 0 on 4 ranks kept") and proven(line)

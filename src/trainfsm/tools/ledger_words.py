@@ -189,7 +189,7 @@ def _lost(seg: Segment) -> str:
 
 # -------------------------------------------------------------------- across world sizes: one line
 def positions_line(check: Check, change: str, stretches: list[coverage.Stretch], approximate: list[int]) -> str:
-    parts = [_attempt_part(check, a, stretches) for a in check.lineage]
+    parts = [_attempt_part(check, a, stretches) if a in check.lineage else _abandoned(check, a) for a in check.segments]
     if approximate:
         verdict = f"not proven: attempt {', '.join(map(str, approximate))} continued approximately, as accepted"
     elif check.broken:
@@ -197,6 +197,26 @@ def positions_line(check: Check, change: str, stretches: list[coverage.Stretch],
     else:
         verdict = POSITIONS_ONCE
     return f"all ranks, {change}: {'; '.join(parts)}{_epoch_size(check)}: {verdict}"
+
+
+def _abandoned(check: Check, a: int) -> str:
+    """An attempt off the lineage: what it drew, none of it kept (its weights were not resumed)."""
+    segs = [s for s in check.segments[a].values() if s.how not in ("nothing", "unchecked")]
+    if not segs:
+        return _rank_part(check, next(iter(check.segments[a].values())))
+    first = segs[0]
+    head = f"attempt {a} on {ranks_count(first.world)}"
+    if first.save is not None:
+        head += f" resumed checkpoint {first.save['step']} and"
+    drawn = group_by(segs, lambda s: micro_text(s.spans(s.begin or (0, 0), s.end or s.begin or (0, 0))))
+    if len(drawn) == 1:
+        each = next(iter(drawn)) + (" of each rank" if len(segs) > 1 else "")
+    else:
+        each = "; ".join(f"{ranks_text([s.r.rank for s in group])}: {text}" for text, group in drawn.items())
+    killed = "; at least: their trails end there" if any(s.r.exit is None for s in segs) else ""
+    saved = any(attempt == a for attempt, _ in check.saves.values())
+    why = "no later attempt resumed from its checkpoints" if saved else "it saved no checkpoint"
+    return f"{head} drew {each} ({_steps(first)}{killed}), not kept: {why}"
 
 
 def change(sizes: list[int], batches: list[int]) -> str:
