@@ -143,6 +143,8 @@ class DataCursor:
         if "resize" in saved:
             sizes.update(rng=saved["rng_how"])
             mode, why, saved = self._continuation(mode, saved["resize"], rng_state, saved["reshard"], sizes)
+        elif (rebatched := self._rebatched(saved)) is not None:  # another per-rank batch: a position, not a count
+            mode, why, saved = self._continuation(mode, [saved], rng_state, "exact", sizes, rebatched)
         elif self.layout is not None:
             sizes["from_world_size"] = self.layout.world_size
         resumed = resume(self.loader, mode, saved)  # type: ignore[arg-type]
@@ -161,16 +163,27 @@ class DataCursor:
         rng_state: dict[str, Any] | None,
         reshard: str,
         sizes: dict[str, Any],
+        rebatched: int | None = None,
     ) -> tuple[str, str | None, dict[str, Any]]:
         """The mode (and why, when this chose it) and the per-rank position that continue ``old``
         (every old rank's position) at this world size (``trainfsm.data_order``); the trail's
         fields go into ``sizes``. A DataReshardError when that is not exact and ``reshard`` is
-        "exact"."""
+        "exact". ``rebatched``: ``old`` is this rank's own position at this world size, drawn with
+        per-rank batches of that size (refused when not exact: no approximation is offered there)."""
         layout = self.layout
         assert layout is not None
         continuation = data_order.continue_at(old, layout)
-        sizes.update(from_world_size=len(old), **continuation.as_event())
+        sizes.update(from_world_size=len(old) if rebatched is None else layout.world_size, **continuation.as_event())
+        change, held = f"another world size ({len(old)} -> {layout.world_size})", "is another rank's"
+        if rebatched is not None:
+            change, held = f"another per-rank batch size ({rebatched} -> {layout.batch_size})", "counts other batches"
         if not continuation.exact:
+            if rebatched is not None:
+                raise DataReshardError(
+                    f"the checkpoint was saved with a per-rank batch size of {rebatched} and this run's is "
+                    f"{layout.batch_size}; its data position cannot be continued with each sample trained once: "
+                    f"{continuation.reason}. Resume with batch_size={rebatched}."
+                )
             if reshard != "approximate":
                 raise DataReshardError(
                     f"the checkpoint was saved by {len(old)} rank(s) and this run has {layout.world_size}; its data "
@@ -189,13 +202,21 @@ class DataCursor:
                 mode, why = (
                     "skip",
                     (
-                        f"another world size ({len(old)} -> {layout.world_size}): the loader's saved state is another "
-                        f"rank's, so this rank's share of the epoch so far is replayed"
+                        f"{change}: the loader's saved state {held}, so this rank's share of the epoch so far is "
+                        f"replayed"
                     ),
                 )
             else:
-                why = f"another world size ({len(old)} -> {layout.world_size}): {why}"
+                why = f"{change}: {why}"
         return mode, why, saved
+
+    def _rebatched(self, saved: dict[str, Any]) -> int | None:
+        """The per-rank batch size ``saved`` (one rank's position at this world size) was drawn with,
+        where it differs from this run's: its micro-batch count then means other samples (the
+        global batch kept by ``global_batch_size``, the accumulation changed with it)."""
+        then = (saved.get("layout") or {}).get("batch_size")
+        now = self.layout.batch_size if self.layout is not None else None
+        return then if then is not None and now is not None and then != now else None
 
     def next(self) -> Any:
         """The next batch, into the next epoch when one ends; ``EXHAUSTED`` after ``max_epochs``."""

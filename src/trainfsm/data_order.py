@@ -243,7 +243,17 @@ def continue_at(old: list[dict[str, Any]], new: Layout) -> Continuation:
     data = {"epoch": epoch, "epoch_rng": mine.get("epoch_rng"), "loader": None}
     per_micro = new.batch_size * new.world_size  # type: ignore[operator]
     rounded = {**data, "batches": at["samples"] // per_micro}
-    if saved.epoch_samples != new.epoch_samples or (new.epoch_samples or 0) > (new.length or 0):
+    repeated = (new.epoch_samples or 0) - (new.length or 0)
+    if saved.epoch_samples == new.epoch_samples and repeated > 0:
+        return approximate(
+            f"DistributedSampler pads each epoch's order of {new.length} samples to {new.epoch_samples} positions (at "
+            f"world size {saved.world_size} and at {new.world_size}), repeating {repeated} of its samples: an epoch "
+            f"trains those twice at any size (state global_batch_size so that each epoch ends at its last full global "
+            f"batch)",
+            rounded,
+            at,
+        )
+    if saved.epoch_samples != new.epoch_samples:
         return approximate(
             f"an epoch trains {saved.epoch_samples} positions of its order at world size {saved.world_size} and "
             f"{new.epoch_samples} at {new.world_size} (of {new.length} samples): the epochs end differently "

@@ -25,12 +25,14 @@ come from: the last attempt, the one that saved the checkpoint it resumed from, 
 - **no silent restart**: a fresh start after an earlier attempt saved a complete checkpoint, without
   ``CheckpointingHook(load=None)``, trains those micro-batches again.
 
-Across a change of world size (``data_layout``, format 4), each rank's kept micro-batches are mapped
-to positions of each epoch's order (``trainfsm.tools.coverage``): per epoch their union must be a
-prefix of the order, no position twice, or the first position twice or skipped is named.
+Across a change of world size or of per-rank batch size (``data_layout``, format 4), each rank's
+kept micro-batches are mapped to positions of each epoch's order (``trainfsm.tools.ledger_positions``,
+``trainfsm.tools.coverage``): per epoch their union must be a prefix of the order, no position
+twice, or the first position twice or skipped is named.
 
 A break is a run problem of kind ``ledger`` (``trainfsm audit`` exits 1). What cannot be checked
-(an older trainfsm's trail, ``data_resume="none"``, a change of world size without a known order)
+(an older trainfsm's trail, ``data_resume="none"``, a change of world size without a known order
+or with a rank whose draws the trail lacks)
 is a note, and the line says so: the ledger never certifies what it did not check. A resume the user
 accepted as approximate (``CheckpointingHook(data_reshard="approximate")``) is a note with what it
 cost.
@@ -41,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from trainfsm.tools import coverage, ledger_fingerprints, ledger_words
+from trainfsm.tools import coverage, ledger_fingerprints, ledger_positions, ledger_words
 from trainfsm.tools.ledger_words import ONCE, POSITIONS_ONCE, micro_text, proven, ranks_count
 from trainfsm.tools.replay import Problem, RankAttempt
 from trainfsm.tools.report import AttemptReport
@@ -53,7 +55,7 @@ __all__ = ["KIND", "ONCE", "POSITIONS_ONCE", "Ledger", "Segment", "check", "prov
 KIND: Final = "ledger"
 
 Position = tuple[int, int]  # (epoch, micro-batches drawn in it)
-Key = tuple[int, int | None, int, int]  # a fingerprint's (rank, world size, epoch, micro-batch)
+Key = tuple[int, int | None, int | None, int, int]  # a fingerprint's (rank, world size, batch size, epoch, micro-batch)
 
 
 @dataclass(slots=True)
@@ -88,6 +90,11 @@ class Segment:
     @property
     def world(self) -> int | None:
         return (self.r.data.layout or {}).get("world_size") or self.r.world_size
+
+    @property
+    def batch(self) -> int | None:
+        """The per-rank batch size its micro-batches hold (None: not recorded, an older trail)."""
+        return (self.r.data.layout or {}).get("batch_size")
 
     @property
     def end(self) -> Position | None:
@@ -128,6 +135,7 @@ class Check:
         self.broken: set[int] = set()  # ranks with a break
         self.pairs = self.differ = 0  # fingerprint pairs compared, and those that differ
         self.unpaired: list[str] = []  # same-size resumes whose first micro-batch had nothing to match
+        self.mapped = False  # across world sizes: the kept micro-batches were mapped to positions and checked
 
     def problem(self, r: RankAttempt, message: str, line: int | None = None) -> None:
         self.out.problems.append(Problem(KIND, message, r.file, line or r.end_line, r.rank, r.attempt))
@@ -152,12 +160,12 @@ class Check:
                 self._resumed_as_saved(seg)
             self._continued_as_saved(list(segments.values()))
         ledger_fingerprints.compare(self)
-        sizes = self.sizes()
-        if len(sizes) > 1:
-            self._across_sizes(sizes)
+        sizes, batches = self.sizes(), self.batches()
+        if len(sizes) > 1 or len(batches) > 1:  # micro-batch counts mean other samples: positions
+            ledger_positions.across(self, ledger_words.change(sizes, batches))
         else:
             ledger_words.rank_lines(self)
-        self.out.checked = ledger_words.checked(self, sizes)
+        self.out.checked = ledger_words.checked(self, sizes, batches)
         return self.out
 
     # ---------------------------------------------------------------- where each attempt began
@@ -173,7 +181,7 @@ class Check:
         seg = Segment(r, start["how"], start.get("why"))
         loaded = r.loaded[-1] if r.loaded else None
         if loaded is not None and seg.how != "fresh":
-            found = self.saves.get((int(loaded["step"]), loaded.get("checksum")))
+            found = self.saves.get((int(loaded["step"]), loaded.get("checksum"))) or self._unlogged(r, loaded)
             if found is not None:
                 seg.parent, seg.save = found
         if seg.how == "fresh":
@@ -202,6 +210,35 @@ class Check:
                     f"its position is taken as given"
                 )
         return self._unchecked(seg) if seg.how == "unchecked" else seg
+
+    def _unlogged(self, r: RankAttempt, loaded: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        """The save of a checkpoint ``r`` loaded that no ``checkpoint_saved`` records: an asynchronous
+        save is logged at the step after it became durable, so a kill in between loses the event.
+        The latest earlier attempt, killed, that logged no save of that step and whose every rank
+        entered CHECKPOINT at it saved it; its position is what they counted there (what the event
+        would have said). None if none did (another run's checkpoint)."""
+        step = int(loaded["step"])
+        for attempt in reversed([a for a in self.attempts if a.attempt < r.attempt]):
+            logged = any(int(save["step"]) == step for x in attempt.ranks for save in x.saved)
+            if not attempt.killed or logged:
+                continue
+            ranks = sorted(attempt.ranks, key=lambda x: x.rank)
+            counted = [x.data.positions[step] for x in ranks if step in x.data.positions]
+            if [x.rank for x in ranks] != list(range(ranks[0].world_size or 0)) or len(counted) != len(ranks):
+                continue
+            data: dict[str, Any] = {"ranks": [list(c) for c in counted]}
+            if len(set(counted)) == 1:
+                data = {"epoch": counted[0][0], "batches": counted[0][1]}
+            save = {"step": step, "path": loaded.get("path"), "checksum": loaded.get("checksum"), "data": data}
+            self.saves[(step, loaded.get("checksum"))] = (attempt.attempt, save)
+            self.note(
+                f"attempt {r.attempt}: resumed from checkpoint {step} ({loaded.get('path')}), whose checkpoint_saved "
+                f"attempt {attempt.attempt} never wrote (killed before logging it, as after an asynchronous save): "
+                f"its position is taken from what attempt {attempt.attempt}'s ranks counted entering CHECKPOINT at "
+                f"step {step}"
+            )
+            return attempt.attempt, save
+        return None
 
     def _unchecked(self, seg: Segment) -> Segment:
         self.note(f"attempt {seg.r.attempt}: the data ledger is not checked: {seg.why}")
@@ -263,7 +300,7 @@ class Check:
         r = seg.r
         if seg.how != "resumed" or seg.save is None or seg.begin is None or seg.parent is None:
             return
-        if self.world_of(seg.parent, r.rank) != seg.world:  # another world size: positions, not counts
+        if self.relaid(seg.parent, seg):  # another world size or batch: positions, not counts
             return
         saved = saved_position(seg.save["data"], r.rank)
         if saved is None or saved == seg.begin:
@@ -289,7 +326,7 @@ class Check:
             s
             for s in segments
             if s.how == "resumed" and s.save is not None and s.parent is not None and s.begin is not None
-            and self.world_of(s.parent, s.r.rank) not in (None, s.world)
+            and self.world_of(s.parent, s.r.rank) is not None and self.relaid(s.parent, s)
         ]  # fmt: skip
         if not resized:
             return
@@ -333,6 +370,15 @@ class Check:
         seg = self.segments[attempt].get(rank)
         return seg.world if seg is not None else None
 
+    def relaid(self, attempt: int, seg: Segment) -> bool:
+        """Whether ``seg`` draws micro-batches of another shape than its rank did in ``attempt``
+        (another world size, or another per-rank batch size where both are recorded), or its rank
+        was not there: its counts are then compared as positions, not as counts."""
+        before = self.segments[attempt].get(seg.r.rank)
+        if before is None or before.world != seg.world:
+            return True
+        return before.batch is not None and seg.batch is not None and before.batch != seg.batch
+
     def _ancestors(self, attempt: int) -> list[int]:
         found, at = [], self.parent.get(attempt)
         while at is not None:
@@ -351,66 +397,12 @@ class Check:
                     sizes.append(world)
         return sizes
 
-    def _across_sizes(self, sizes: list[int]) -> None:
-        change = " → ".join(map(str, sizes))
-        cannot = self._cannot_map()
-        stretches: list[coverage.Stretch] = []
-        if not cannot:
-            stretches, ends, begins = self._stretches()
-            try:
-                findings = coverage.check(stretches, ends, begins)
-            except ValueError as error:
-                cannot = str(error)
-        if cannot:
-            self.note(f"the data ledger cannot be checked across world size {change}: {cannot}")
-            self.out.lines.append(f"all ranks, world size {change}: cannot be checked: {cannot}")
-            return
-        approximate = [a for a in self.lineage if any(s.how == "approximate" for s in self.segments[a].values())]
-        for finding in findings:
-            text, blame = ledger_words.finding(finding, stretches)
-            if approximate:  # accepted: what it cost is a note
-                which = ", ".join(map(str, approximate))
-                self.note(f"attempt {which} continued approximately, as accepted: epoch {finding.epoch}: {text}")
-                continue
-            seg = self.segments[blame[0]].get(blame[1]) or next(iter(self.segments[blame[0]].values()))
-            line = (seg.r.data.start or {}).get("line")
-            self.problem(seg.r, f"world size {change}, epoch {finding.epoch}: {text}", line)
-        self.out.lines.append(ledger_words.positions_line(self, change, stretches, approximate))
-
-    def _cannot_map(self) -> str:
-        """Why the lineage's micro-batches cannot be mapped to positions, or ""."""
+    def batches(self) -> list[int]:
+        """The lineage's per-rank batch sizes where recorded, each change once: [2, 1]."""
+        batches: list[int] = []
         for a in self.lineage:
-            for seg in self.segments[a].values():
-                if seg.how in ("nothing", "complete"):
-                    continue
-                layout = seg.r.data.layout
-                if seg.how == "unchecked" or layout is None:
-                    why = seg.why or f"its trail (format {seg.r.format}) records no data layout"
-                    return f"attempt {a} on {ranks_count(seg.world)}: {why}; which samples each rank drew is unknown"
-                if layout.get("order") != "distributed" or not layout.get("batch_size"):
-                    why = f"the order of its samples is unknown: {layout.get('why')}"
-                    return f"attempt {a} on {ranks_count(seg.world)}: {why}"
-        return ""
-
-    def _stretches(self) -> tuple[list[coverage.Stretch], dict[int, int], dict[int, int]]:
-        """What each rank of the lineage kept, as positions; where each epoch it finished ends; and
-        the position a lineage that begins with a resume from another trail's checkpoint took as given."""
-        stretches: list[coverage.Stretch] = []
-        ends: dict[int, int] = {}
-        begins: dict[int, int] = {}
-        for a in self.lineage:
-            for seg in self.segments[a].values():
-                if seg.begin is None or seg.kept_to is None or seg.how in ("nothing", "complete"):
-                    continue
-                layout = seg.r.data.layout or {}
-                shape = {"batch": int(layout["batch_size"]), "world": int(layout["world_size"])}
-                samples = layout.get("epoch_samples")
-                for epoch, first, end in seg.spans(seg.begin, seg.kept_to):
-                    stretches.append(
-                        coverage.stretch(epoch, first, end, rank=seg.r.rank, attempt=a, epoch_samples=samples, **shape)
-                    )
-                if samples is not None:
-                    ends.update(dict.fromkeys(range(seg.begin[0], seg.kept_to[0]), int(samples)))
-                if a == self.lineage[0] and seg.how != "fresh" and seg.save is None:
-                    begins[seg.begin[0]] = coverage.position_after(seg.begin[1], epoch_samples=samples, **shape)
-        return stretches, ends, begins
+            known = {s.batch for s in self.segments[a].values() if s.how != "nothing" and s.batch is not None}
+            for batch in sorted(known):
+                if not batches or batches[-1] != batch:
+                    batches.append(batch)
+        return batches

@@ -1,5 +1,5 @@
 """The data ledger's fingerprint check (``trainfsm.tools.ledger``): two fingerprints of one rank at
-one (world size, epoch, micro-batch), drawn by an attempt and by one resumed (directly or not) from
+one (world size, per-rank batch, epoch, micro-batch), drawn by an attempt and by one resumed (directly or not) from
 it, must be equal; the first difference of a rank is a problem that says what was trained twice or
 skipped, and where the loader really resumed."""
 
@@ -14,13 +14,13 @@ if TYPE_CHECKING:
 
 
 def compare(check: Check) -> None:
-    """Two fingerprints of one rank at one (world size, epoch, micro-batch), drawn by an attempt
+    """Two fingerprints of one rank at one (world size, per-rank batch, epoch, micro-batch), drawn by an attempt
     and by one resumed (directly or not) from it, must be equal: both drew that micro-batch."""
     seen: dict[int, dict[Key, dict[str, Any]]] = {}
     # The micro-batch drawn after each save, by (rank, world size, checkpoint step): a resume's
     # first draw is compared with it even where the resumed loader's count moved elsewhere
     # (an epoch that ended early because the loader skipped its last micro-batch).
-    after_save: dict[int, dict[tuple[int, int | None, int], dict[str, Any]]] = {}
+    after_save: dict[int, dict[tuple[int, int | None, int | None, int], dict[str, Any]]] = {}
     for attempt in check.attempts:
         a = attempt.attempt
         mine, saves = seen.setdefault(a, {}), after_save.setdefault(a, {})
@@ -35,12 +35,12 @@ def compare(check: Check) -> None:
             # and the resume's says more (where the loader really resumed).
             for f in sorted(seg.r.data.fingerprints, key=lambda f: f["after"] != "resume"):
                 entry = {**f, "attempt": a}
-                step_key = (seg.r.rank, seg.world, int(f["from_step"] or 0))
+                step_key = (seg.r.rank, seg.world, seg.batch, int(f["from_step"] or 0))
                 if f["fingerprint"] is None:  # an exit's draw abandoned after EXIT_DRAW_SECONDS
                     if f["after"] == "save":
                         saves.setdefault(step_key, entry)  # its resume: not compared, and said so
                     continue
-                key = (seg.r.rank, seg.world, int(f["epoch"]), int(f["batches"]) - 1)
+                key = (seg.r.rank, seg.world, seg.batch, int(f["epoch"]), int(f["batches"]) - 1)
                 mine.setdefault(key, entry)
                 before = next((entries[key] for entries in history if key in entries), None)
                 if f["after"] == "save":
@@ -48,7 +48,7 @@ def compare(check: Check) -> None:
                 elif f["after"] == "resume" and not seg.misplaced:
                     before = next((s[step_key] for s in saved_before if step_key in s), before)
                 if before is None or before["fingerprint"] is None:
-                    same_size = seg.parent is not None and check.world_of(seg.parent, seg.r.rank) == seg.world
+                    same_size = seg.parent is not None and not check.relaid(seg.parent, seg)
                     if f["after"] == "resume" and same_size:
                         check.unpaired.append(f"rank {seg.r.rank}, attempt {a}, checkpoint {f['from_step']}")
                     continue
@@ -92,7 +92,7 @@ def _differs(
         (key, entry)
         for entries in history
         for key, entry in entries.items()
-        if key[:2] == (r.rank, seg.world) and entry["fingerprint"] == now["fingerprint"]
+        if key[:3] == (r.rank, seg.world, seg.batch) and entry["fingerprint"] == now["fingerprint"]
     ]
     if not same:
         check.problem(
@@ -105,8 +105,8 @@ def _differs(
         )
         return
     # The match nearest the saved position (the same epoch first): a loader's epochs may repeat.
-    key, match = min(same, key=lambda item: (item[0][2] != epoch, abs(item[0][3] - index), item[0][2:]))
-    real = (key[2], key[3])
+    key, match = min(same, key=lambda item: (item[0][3] != epoch, abs(item[0][4] - index), item[0][3:]))
+    real = (key[3], key[4])
     if real < (epoch, index):
         what = f"{ledger_words.between(real, (epoch, index))} trained twice"
     else:

@@ -95,7 +95,12 @@ def rank_lines(check: Check) -> None:
             texts[rank] = f"{texts[rank]}; {part}" if rank in texts else part
             if seg.how == "unchecked":
                 unchecked.setdefault(rank, []).append(a)
-    for rank in texts:
+        world = next((s.world for s in segments.values() if s.world), 0)
+        for rank in (rank for rank in range(world) if rank not in segments):  # its file lost: never certified
+            part = f"attempt {a}: not checked (the trail has no record of this rank)"
+            texts[rank] = f"{texts[rank]}; {part}" if rank in texts else part
+            unchecked.setdefault(rank, []).append(a)
+    for rank in sorted(texts):
         if rank in check.broken:
             verdict = BROKEN
         elif rank in unchecked:
@@ -184,14 +189,40 @@ def _lost(seg: Segment) -> str:
 
 # -------------------------------------------------------------------- across world sizes: one line
 def positions_line(check: Check, change: str, stretches: list[coverage.Stretch], approximate: list[int]) -> str:
-    parts = [_attempt_part(check, a, stretches) for a in check.lineage]
+    parts = [_attempt_part(check, a, stretches) if a in check.lineage else _abandoned(check, a) for a in check.segments]
     if approximate:
         verdict = f"not proven: attempt {', '.join(map(str, approximate))} continued approximately, as accepted"
     elif check.broken:
         verdict = POSITIONS_BROKEN
     else:
         verdict = POSITIONS_ONCE
-    return f"all ranks, world size {change}: {'; '.join(parts)}{_epoch_size(check)}: {verdict}"
+    return f"all ranks, {change}: {'; '.join(parts)}{_epoch_size(check)}: {verdict}"
+
+
+def _abandoned(check: Check, a: int) -> str:
+    """An attempt off the lineage: what it drew, none of it kept (its weights were not resumed)."""
+    segs = [s for s in check.segments[a].values() if s.how not in ("nothing", "unchecked")]
+    if not segs:
+        return _rank_part(check, next(iter(check.segments[a].values())))
+    first = segs[0]
+    head = f"attempt {a} on {ranks_count(first.world)}"
+    if first.save is not None:
+        head += f" resumed checkpoint {first.save['step']} and"
+    drawn = group_by(segs, lambda s: micro_text(s.spans(s.begin or (0, 0), s.end or s.begin or (0, 0))))
+    if len(drawn) == 1:
+        each = next(iter(drawn)) + (" of each rank" if len(segs) > 1 else "")
+    else:
+        each = "; ".join(f"{ranks_text([s.r.rank for s in group])}: {text}" for text, group in drawn.items())
+    killed = "; at least: their trails end there" if any(s.r.exit is None for s in segs) else ""
+    saved = any(attempt == a for attempt, _ in check.saves.values())
+    why = "no later attempt resumed from its checkpoints" if saved else "it saved no checkpoint"
+    return f"{head} drew {each} ({_steps(first)}{killed}), not kept: {why}"
+
+
+def change(sizes: list[int], batches: list[int]) -> str:
+    """``world size 4 → 2``; ``world size 2, per-rank batch 2 → 1`` when the batch changed too."""
+    text = f"world size {' → '.join(map(str, sizes))}"
+    return text + (f", per-rank batch {' → '.join(map(str, batches))}" if len(batches) > 1 else "")
 
 
 def _epoch_size(check: Check) -> str:
@@ -214,6 +245,8 @@ def _attempt_part(check: Check, a: int, stretches: list[coverage.Stretch]) -> st
         return f"attempt {a} ended before its data was positioned: drew nothing"
     first = segs[0]
     head = f"attempt {a} on {ranks_count(first.world)}"
+    if len(check.batches()) > 1 and first.batch is not None:
+        head += f" with batches of {first.batch}"
     if first.how == "complete":
         return f"{head} resumed checkpoint {first.r.resumed_from_step} at max_steps: nothing left to draw"
     if first.save is not None:
@@ -233,17 +266,19 @@ def _attempt_part(check: Check, a: int, stretches: list[coverage.Stretch]) -> st
 
 
 # -------------------------------------------------------------------- how
-def checked(check: Check, sizes: list[int]) -> str:
+def checked(check: Check, sizes: list[int], batches: list[int]) -> str:
     """What was proven and how, then what was assumed: ``micro-batches counted ...; 2 fingerprint
     pairs compared, all equal; assumed: ...``."""
     if not check.segments:
         return ""
+    across = len(sizes) > 1 or len(batches) > 1
     parts = ["micro-batches counted on each rank from its trail (each draw, epoch, save and resume)"]
     if check.pairs:
         equal = "all equal" if not check.differ else f"{check.differ} differ"
         parts.append(f"{check.pairs} fingerprint pair{'s' if check.pairs > 1 else ''} compared, {equal}")
-    elif len(sizes) > 1 and not check.unpaired:
-        parts.append("no fingerprint could be paired (each resume changed the world size)")
+    elif across and not check.unpaired:
+        what = "world size" if len(batches) < 2 else "per-rank batch" if len(sizes) < 2 else "world size or batch"
+        parts.append(f"no fingerprint could be paired (each resume changed the {what})")
     else:
         parts.append("no fingerprint could be paired")
     if check.unpaired:
@@ -253,11 +288,25 @@ def checked(check: Check, sizes: list[int]) -> str:
             f"the micro-batch the saving run drew next ({check.unpaired[0]}{more})"
         )
     assumed = "the loader draws its order between fingerprints"
-    if len(sizes) > 1:
+    given = {  # a lineage that begins with a resume from a checkpoint this trail did not save
+        (int(seg.r.data.start["from_step"]), seg.r.attempt)
+        for a in check.lineage[:1]
+        for seg in check.segments[a].values()
+        if seg.how in ("resumed", "approximate") and seg.save is None and seg.r.data.start
+    }
+    for step, attempt in sorted(given)[:1]:
+        assumed += (
+            f"; that checkpoint {step}, which no attempt of this trail saved, holds the data position attempt "
+            f"{attempt} resumed"
+        )
+    if across and not check.mapped:
+        parts.append(f"across {change(sizes, batches)}: not mapped to positions (cannot be checked: see notes)")
+    elif across:
         parts.append(
-            f"across world size {' → '.join(map(str, sizes))}: each rank's kept micro-batches mapped to positions of "
+            f"across {change(sizes, batches)}: each rank's kept micro-batches mapped to positions of "
             f"each epoch's order (rank r of W holds the positions p with p % W == r), their union checked to be a "
             f"prefix of each epoch's order with no position twice"
         )
-        assumed += "; on another world size (no fingerprint pairs there), that the loader skipped to its count"
+        other = "world size" if len(batches) < 2 else "world size or per-rank batch"
+        assumed += f"; on another {other} (no fingerprint pairs there), that the loader skipped to its count"
     return f"{'; '.join(parts)}; assumed: {assumed}"
