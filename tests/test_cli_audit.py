@@ -563,6 +563,15 @@ def test_an_empty_file_is_unreadable(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert code == 2 and f"{path}: the file is empty" in err
 
 
+def test_a_run_whose_only_rank_file_is_empty_is_unreadable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty file beside other ranks' events is left out with a note (the audit names the rank
+    it has no trail of); a run with no events at all is unreadable."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "events.rank0.jsonl").touch()
+    code, _, err = cli(capsys, "audit", tmp_path)
+    assert code == 2 and "events.rank0.jsonl: the file is empty" in err
+
+
 def test_a_line_that_is_not_json_is_unreadable(
     tmp_path: Path, base: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -6,7 +6,9 @@ memory: each command folds the records into the little it needs.
 
 What counts as unreadable (``TrailError``, the commands exit 2) and what is tolerated (a ``Note``):
 
-- a missing file, an empty file, a directory without ``logs/events.rank*.jsonl``: unreadable;
+- a missing file, an empty file, a directory without ``logs/events.rank*.jsonl``: unreadable; but a
+  rank file found in a run's directory that is empty beside other ranks' events is noted and left
+  out (the rank was killed before its first write): the audit names the rank it has no trail of;
 - a rank's trail is its closed segments (``events.rank0.00001.jsonl.gz``, ...) then the file being
   written, read in that order as one stream, compressed or not (``trainfsm.trail.files``);
 - a complete line (it ends with a newline) that is not a JSON object carrying the common fields
@@ -137,9 +139,11 @@ def rank_files(directory: Path) -> list[Path]:
 def open_trail(inputs: Iterable[Path]) -> Trail:
     """The trail of ``inputs``: run directories (workspaces) and/or explicit event files."""
     files: list[Path] = []
+    found_in_directory: set[Path] = set()
     for item in inputs:
         if item.is_dir():
             found = rank_files(item)
+            found_in_directory.update(found)
         elif item.is_file() or (rank_of(item) is not None and closed_segments(item)):
             found = [item]
         else:
@@ -149,10 +153,14 @@ def open_trail(inputs: Iterable[Path]) -> Trail:
                 files.append(path)
     if not files:
         raise TrailError("no audit trail given")
-    for path in files:
-        if all(part.stat().st_size == 0 for part in _parts(path)):
-            raise TrailError(f"{path}: the file is empty (no events)")
-    return Trail(files)
+    empty = [path for path in files if all(part.stat().st_size == 0 for part in _parts(path))]
+    # A rank killed before its first flush (or a full disk) leaves its file empty: among other
+    # ranks' events that is a rank without a trail, for the audit to say; named alone, an error.
+    if any(path not in found_in_directory for path in empty) or len(empty) == len(files):
+        raise TrailError(f"{empty[0]}: the file is empty (no events)")
+    notes = [Note("the file is empty: this rank wrote no event (killed before its first write?); left out", str(p))
+             for p in empty]  # fmt: skip
+    return Trail([path for path in files if path not in empty], notes)
 
 
 def _parts(path: Path) -> list[Path]:
