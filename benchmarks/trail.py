@@ -88,9 +88,11 @@ def write_trail(
     segment_bytes: int | None = None,
     clock: Any = None,
     killed: bool = False,
+    world_size: int = 1,
 ) -> Path:
     """One rank's trail of ``steps`` steps, written by EventLog as the trainer writes it
-    (``killed``: the process dies after its last step, leaving no exit event)."""
+    (``killed``: the process dies after its last step, leaving no exit event), of a job of
+    ``world_size`` ranks (the audit names any rank of it whose trail it is not given)."""
     clock = clock if clock is not None else Clock(rate, seed=rank)
     owner = Owner()
     path = logs / f"events.rank{rank}.jsonl"
@@ -114,7 +116,7 @@ def write_trail(
         record[("finish", fsm.ACCUMULATE, fsm.EXIT)],
     )
     audit_log = log.log
-    audit_log.info("run_start", format=FORMAT_VERSION, world_size=1024, max_steps=steps, config={}, signals={})
+    audit_log.info("run_start", format=FORMAT_VERSION, world_size=world_size, max_steps=steps, config={}, signals={})
     record[("built", fsm.BUILD, fsm.RESTORE)]()
     owner.state = fsm.RESTORE
     audit_log.info("restore", resumed=False, from_step=0)
@@ -217,9 +219,9 @@ def audit_speed(root: Path, steps: int, rounds: int = 3) -> dict[str, float]:
     return {form: steps / sorted(values)[len(values) // 2] for form, values in seconds.items()}
 
 
-def _write_rank(args: tuple[str, int, int, int]) -> int:
-    logs, rank, steps, segment_bytes = args
-    write_trail(Path(logs), rank, steps, rate=10.0, segment_bytes=segment_bytes)
+def _write_rank(args: tuple[str, int, int, int, int]) -> int:
+    logs, rank, steps, segment_bytes, ranks = args
+    write_trail(Path(logs), rank, steps, rate=10.0, segment_bytes=segment_bytes, world_size=ranks)
     return rank
 
 
@@ -228,7 +230,8 @@ def job(root: Path, ranks: int, steps: int, segment_bytes: int) -> dict[str, Any
     logs.mkdir(parents=True)
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
-        for _ in pool.map(_write_rank, [(str(logs), r, steps, segment_bytes) for r in range(ranks)], chunksize=4):
+        work = [(str(logs), r, steps, segment_bytes, ranks) for r in range(ranks)]
+        for _ in pool.map(_write_rank, work, chunksize=4):
             pass
     written = time.perf_counter() - t0
     files = list(logs.iterdir())

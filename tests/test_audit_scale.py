@@ -17,7 +17,7 @@ def job(logs: Path, ranks: int, steps: int, short: dict[int, int] | None = None,
     """``ranks`` trails written by EventLog; ``short`` gives some ranks fewer steps."""
     logs.mkdir(parents=True)
     for rank in range(ranks):
-        write_trail(logs, rank, (short or {}).get(rank, steps), checkpoint_every=50, killed=killed)
+        write_trail(logs, rank, (short or {}).get(rank, steps), checkpoint_every=50, killed=killed, world_size=ranks)
     return logs
 
 
