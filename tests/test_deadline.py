@@ -223,7 +223,11 @@ def test_a_deadline_pending_does_not_make_a_first_ctrl_c_a_second_one(tmp_path: 
 
 # ---------------------------------------------------------------- a real run under a fake SLURM
 @pytest.mark.usefixtures("quick_exit")
-@pytest.mark.parametrize("stall_timeout", ["auto", None], ids=["with_stall_watchdog", "stall_timeout_none"])
+@pytest.mark.parametrize(  # without the watchdog in the full tier: the fast tier's case has the two features meet
+    "stall_timeout",
+    ["auto", pytest.param(None, marks=pytest.mark.slow)],
+    ids=["with_stall_watchdog", "stall_timeout_none"],
+)
 def test_the_trainer_leaves_by_the_preemption_path_before_the_jobs_end_and_resumes_exactly(
     tmp_path: Path, fake_slurm: FakeSlurm, stall_timeout: Any
 ) -> None:

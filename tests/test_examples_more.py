@@ -92,6 +92,7 @@ def test_nan_retry_retries_and_the_trail_shows_retry_transitions(tmp_path: Path)
     assert attempt["steps_done"] == 12 and attempt["exit"] == {"reason": "completed", "code": 0}
 
 
+@pytest.mark.slow  # 10 s; tests/test_examples.py trains and resumes the other examples in the fast tier
 def test_config_example_builds_from_the_config_trains_and_resumes(tmp_path: Path) -> None:
     pytest.importorskip("cfgx", reason="the config example needs cfgx (pip install cfgx)")
     pytest.importorskip("specbuild", reason="the config example needs specbuild (pip install specbuild)")

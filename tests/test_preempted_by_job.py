@@ -908,6 +908,7 @@ def ranks_preempted(tmp_path: Path, low: FakeSlurm, world: int, exit_wait: float
                 p.wait()
 
 
+@pytest.mark.slow  # 18 s; in the fast tier rank 0's deadline reaches rank 1 the same way (tests/test_deadline.py)
 @pytest.mark.distributed
 def test_every_rank_records_rank_0s_preemption_as_the_reason_it_left(tmp_path: Path, low: FakeSlurm) -> None:
     """Three gloo ranks, each its own process; rank 0 alone reads the job and sees the

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.test_data_order import layout, saved
 from tests.test_data_reshard import assert_each_sample_once, in_process, resumed
 from tests.test_ledger_sizes import CLEAN, DATA, cli_audit, edited, ledger_problems
@@ -93,6 +95,7 @@ def test_what_was_checked_does_not_claim_the_positions_were_checked_when_they_co
 
 
 # ---------------------------------------------------------------- another per-rank batch at the same world size
+@pytest.mark.slow  # 14 s of runs; the fast tier's 4 -> 2 reshard (tests/test_data_reshard.py) takes the same path
 def test_a_resume_with_half_the_per_rank_batch_on_as_many_ranks_trains_each_sample_once_and_the_ledger_proves_it(
     tmp_path: Path,
 ) -> None:

@@ -307,6 +307,7 @@ def loaded_on_each_rank(workspace: Path, world: int) -> list[tuple[str, int, str
 
 
 @distributed
+@pytest.mark.slow  # two launches of 2 ranks (~17 s): the fast tier resumes trainloop's checkpoints on one
 def test_two_ddp_ranks_resume_from_trainloops_checkpoint_at_its_step(resumed_on_two: Resumed) -> None:
     workspace, held, _ = resumed_on_two
     assert loaded_on_each_rank(workspace, 2) == [("trainloop", 8, str(workspace / "checkpoints" / "8"))] * 2
@@ -314,6 +315,7 @@ def test_two_ddp_ranks_resume_from_trainloops_checkpoint_at_its_step(resumed_on_
 
 
 @distributed
+@pytest.mark.slow  # two launches of 2 ranks (~17 s): the fast tier resumes trainloop's checkpoints on one
 def test_on_two_ranks_the_switched_run_continues_exactly_as_trainloop_would(resumed_on_two: Resumed) -> None:
     """Each rank's model, EMA, momentum, learning rate and scheduler epoch, bit for bit, four steps on."""
     _, held, reference = resumed_on_two
@@ -321,6 +323,7 @@ def test_on_two_ranks_the_switched_run_continues_exactly_as_trainloop_would(resu
 
 
 @distributed
+@pytest.mark.slow  # two launches of 2 ranks (~17 s): the fast tier resumes trainloop's checkpoints on one
 def test_audit_passes_the_workspace_resumed_on_ranks(
     resumed_on_two: Resumed, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -231,7 +231,11 @@ def test_with_two_workers_per_node_a_killed_worker_restarts_all_four_ranks_into_
 
 @pytest.mark.faults
 @pytest.mark.parametrize(
-    "index", [0, pytest.param(3, marks=pytest.mark.slow)], ids=["SIGTERM to node 0", "SIGUSR1 to node 1"]
+    # Both in the full tier (22 s each): in the fast tier a signal to torchrun reaches every rank in
+    # tests/test_torchrun_preemption.py and tests/test_distributed_signals.py.
+    "index",
+    [pytest.param(0, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)],
+    ids=["SIGTERM to node 0", "SIGUSR1 to node 1"],
 )
 def test_a_signal_to_one_agent_stops_every_rank_of_both_nodes_at_one_saved_step_and_they_resume_bit_exact(
     index: int, tmp_path: Path, straight: Any

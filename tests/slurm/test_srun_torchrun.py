@@ -122,6 +122,7 @@ def test_srun_torchrun_agents_signalled_by_scancel_agree_save_requeue_and_resume
     assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
 
 
+@pytest.mark.slow  # 18 s; the fast tier's SLURM trials are the preemptions (test_preemption, test_preempted_by_job)
 def test_the_example_with_launcher_srun_runs_one_rank_per_task(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """The same file's other form, ``LAUNCHER=srun``: no torchrun, each srun task is a rank (its
     preemption under srun is test_srun_ddp's business)."""
