@@ -367,3 +367,34 @@ def test_the_error_for_a_world_size_the_global_batch_does_not_fit_names_the_size
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+# Review of issue 49 (session 14): a resume whose global batch changed at the same world size.
+def test_a_resume_past_the_epoch_end_of_a_smaller_global_batch_ends_the_epoch_there() -> None:
+    """100 samples, batches of 2 on one rank: with ``global_batch_size=8`` an epoch ends at 96
+    positions; 44 micro-batches (88 positions) are drawn and saved. Resumed with
+    ``global_batch_size=40`` (accumulation 20), the epoch ends at 80: the resume is past it, so
+    the epoch ends at once, not after drawing positions 88-99 (with the padding a run of 40 never
+    trains): the limit compared with ``!=`` let it draw on to the sampler's end."""
+
+    def cursor(global_batch: int) -> DataCursor:
+        dataset = list(range(100))
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        loader = DataLoader(dataset, batch_size=2, sampler=sampler)
+        accumulation = data_order.accumulation_for(global_batch, 2, 1)
+        made = DataCursor()
+        made.attach(loader, 1, Log(), data_order.layout_of(loader, 0, 1, accumulation, global_batch))
+        return made
+
+    first = cursor(8)
+    first.start()
+    drawn = [first.next() for _ in range(44)]
+    saved = first.state()
+    first.close()
+    assert sum(len(batch) for batch in drawn) == 88
+    second = cursor(40)
+    assert second.limit == 40
+    second.resume_later("auto", saved, None)
+    assert second.start() is not None
+    assert second.next() is EXHAUSTED  # max_epochs=1: epoch 0 ended at its new end
+    second.close()

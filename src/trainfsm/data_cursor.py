@@ -220,7 +220,7 @@ class DataCursor:
 
     def next(self) -> Any:
         """The next batch, into the next epoch when one ends; ``EXHAUSTED`` after ``max_epochs``."""
-        if self.batches != self.limit:  # None (no limit) is never equal
+        if self.limit is None or self.batches < self.limit:  # past it: a resume of a run whose global batch differed
             try:
                 batch = next(self.iterator)  # type: ignore[arg-type]
                 self.batches += 1
@@ -272,7 +272,7 @@ class DataCursor:
 
         def draw() -> None:
             with contextlib.suppress(Exception):  # StopIteration at the data's end, or the loader's own failure
-                if self.batches != self.limit:
+                if self.limit is None or self.batches < self.limit:
                     with contextlib.suppress(StopIteration):
                         found.append((next(self.iterator), self.epoch, self.batches + 1))  # type: ignore[arg-type]
                         return
