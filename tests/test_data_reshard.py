@@ -12,6 +12,7 @@ for the attempt that did it first (the checkpoint keeps the state before it).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -127,6 +128,10 @@ def test_without_the_global_position_the_planted_resume_trains_samples_twice(tmp
     report = audit.audit([workspace])  # and the audit names them, from the trail alone
     [problem] = [p.message for p in report.run_problems if p.kind == "ledger" and "trained twice" in p.message]
     assert f"{len(twice)} positions of its order trained twice" in problem
+    named = re.search(r"the dataset's samples ([\d, ]+) and (\d+) more", problem)
+    assert named is not None, problem
+    shown = [int(x) for x in named.group(1).split(", ")]
+    assert set(shown) <= set(twice) and len(shown) + int(named.group(2)) == len(twice)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.faults import reshard_trails
 from trainfsm.tools import audit
@@ -99,8 +100,11 @@ def test_every_new_rank_resuming_old_rank_0s_position_is_caught_naming_the_posit
         "ranks 0-1 counted from micro-batch 9 of epoch 0, which is position 36 at 2 ranks with batches of 2: the ranks "
         "did not skip to the global position",
         "world size 4 → 2, epoch 0: 36 positions of its order trained twice, from position 36 to 71 (position 36: "
-        "attempt 0 rank 0 and attempt 1 rank 0)",
+        "attempt 0 rank 0 and attempt 1 rank 0); the dataset's samples 98, 23, 20, 29, 78 and 31 more",
     ]
+    # The samples named are DistributedSampler's at positions 36-40 of epoch 0's order (seed 0, 100 samples);
+    # tests/test_data_reshard.py checks them against the indices a planted run really trained twice.
+    assert torch.randperm(100, generator=torch.Generator().manual_seed(0)).tolist()[36:41] == [98, 23, 20, 29, 78]
     (line,) = report.ledger
     assert line.startswith("all ranks, world size 4 → 2: ") and not proven(line)
     done = cli_audit(planted)
@@ -117,7 +121,7 @@ def test_positions_skipped_at_a_resume_on_another_world_size_are_named_with_the_
         "ranks 0-1 counted from micro-batch 20 of epoch 0, which is position 80 at 2 ranks with batches of 2: the "
         "ranks did not skip to the global position",
         "world size 4 → 2 → 3, epoch 0: 8 positions of its order never trained, from position 72 to 79 (attempt 1 "
-        "went on past them)",
+        "went on past them); the dataset's samples 25, 47, 36, 96, 9 and 3 more",
     ]
     assert {p.attempt for p in report.run_problems} == {1}
 
@@ -139,9 +143,10 @@ def test_an_approximate_resume_the_user_accepted_is_a_note_with_what_it_cost_not
     assert [n.message for n in report.notes] == [
         f"attempt 1: resumed on another world size approximately, as accepted: {why}",
         "attempt 1 continued approximately, as accepted: epoch 0: 8 positions of its order trained twice, from "
-        "position 64 to 71 (position 64: attempt 0 rank 0 and attempt 1 rank 0)",
+        "position 64 to 71 (position 64: attempt 0 rank 0 and attempt 1 rank 0); the dataset's samples 32, 34, 11, 0, "
+        "22 and 3 more",
         "attempt 1 continued approximately, as accepted: epoch 0: 8 positions of its order never trained, from "
-        "position 88 to 95 (the epoch's end)",
+        "position 88 to 95 (the epoch's end); the dataset's samples 64, 88, 38, 27, 14 and 3 more",
     ]
     (line,) = report.ledger
     assert line.endswith(": not proven: attempt 1 continued approximately, as accepted") and not proven(line)

@@ -134,7 +134,7 @@ def test_a_resume_that_kept_the_micro_batch_count_when_the_batch_halved_is_caugh
         "ranks 0-1 counted from micro-batch 18 of epoch 0, which is position 36 at 2 ranks with batches of 1: the "
         "ranks did not skip to the global position",
         "world size 2, per-rank batch 2 → 1, epoch 0: 36 positions of its order trained twice, from position 36 to 71 "
-        "(position 36: attempt 0 rank 0 and attempt 1 rank 0)",
+        "(position 36: attempt 0 rank 0 and attempt 1 rank 0); the dataset's samples 98, 23, 20, 29, 78 and 31 more",
     ]
     assert report.ledger_checked.endswith(
         "assumed: the loader draws its order between fingerprints; on another world size or per-rank batch (no "

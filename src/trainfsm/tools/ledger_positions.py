@@ -8,7 +8,7 @@ the trail lacks) is said, never certified."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainfsm.tools import coverage, ledger_words
 from trainfsm.tools.ledger_words import ranks_count
@@ -36,6 +36,7 @@ def across(check: Check, change: str) -> None:
     approximate = [a for a in check.lineage if any(s.how == "approximate" for s in check.segments[a].values())]
     for finding in findings:
         text, blame = ledger_words.finding(finding, stretches)
+        text += samples_at(_layout(check), finding)
         if approximate:  # accepted: what it cost is a note
             which = ", ".join(map(str, approximate))
             check.note(f"attempt {which} continued approximately, as accepted: epoch {finding.epoch}: {text}")
@@ -132,3 +133,38 @@ def _killed_last(check: Check, stretches: list[coverage.Stretch]) -> list[covera
     )
     cut = [replace(s, hi=min(s.hi, known)) if s.attempt == last and s.epoch == epoch else s for s in stretches]
     return [s for s in cut if s.hi > s.lo]
+
+
+#: How many of a finding's samples are named: the reader looks them up in the dataset.
+SAMPLES_NAMED = 5
+
+
+def _layout(check: Check) -> dict[str, Any]:
+    """A layout of the lineage (length, seed and shuffle are the same in all: else it was refused)."""
+    for a in check.lineage:
+        for seg in check.segments[a].values():
+            if seg.r.data.layout:
+                return seg.r.data.layout
+    return {}
+
+
+def samples_at(layout: dict[str, Any], found: coverage.Finding) -> str:
+    """The dataset's indices at the finding's first positions, as ``DistributedSampler`` draws them:
+    its order of epoch ``e`` is ``torch.randperm(N)`` seeded ``seed + e`` (``range(N)`` without
+    shuffle), padded by repeating its start. Positions not all twice (or skipped) between the first
+    and the last name the first one's sample only. torch is imported here alone: an audit that
+    finds nothing imports none."""
+    length, seed, shuffle = layout.get("length"), layout.get("seed"), layout.get("shuffle")
+    if not length or seed is None or shuffle is None:
+        return ""
+    import torch  # here alone (see above)
+
+    n = int(length)
+    generator = torch.Generator().manual_seed(int(seed) + found.epoch)
+    order = torch.randperm(n, generator=generator).tolist() if shuffle else list(range(n))
+    if found.count != found.last - found.first + 1:
+        return f"; position {found.first} is sample {order[found.first % n]} of the dataset"
+    shown = [order[p % n] for p in range(found.first, min(found.last, found.first + SAMPLES_NAMED - 1) + 1)]
+    more = f" and {found.count - len(shown)} more" if found.count > len(shown) else ""
+    word = "samples" if found.count > 1 else "sample"
+    return f"; the dataset's {word} {', '.join(map(str, shown))}{more}"
