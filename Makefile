@@ -6,7 +6,7 @@
 #   make demo ARGS="--steps 600"
 #   make test                  the fast tier, under 5 minutes on 2 cores: every feature, one trial of each
 #                              kind of fault (pytest -m "not slow and not cuda", 3 processes, 300 s a test at most)
-#   make test-all              the full suite, about 17 minutes on 2 cores: every test, every trial (what CI runs;
+#   make test-all              the full suite, about 21-24 minutes on 2 cores: every test, every trial (what CI runs;
 #                              the cuda tests are skipped there, with their reason)
 #   make test-gpu              the GPU tier: the tests marked cuda (one process) and benchmarks/overhead.py with a
 #                              GPU-sized step (scripts/test-gpu.sh); without CUDA all skipped with their reasons, exit 0.
@@ -30,7 +30,8 @@ LINTED := src tests benchmarks examples
 # workers on 2 cores: the tests wait on other processes (torchrun agents, SLURM, timeouts) a good part of
 # their time. Measured here, the same tests on one tree: the fast tier 280 s with 3 against 360 s with 2
 # (CPU idle 5% against 12%). On fresh clones with 3: the fast tier 273-277 s, the full suite 1066 s
-# (1206 s with 2, before the fast tier was trimmed).
+# (1206 s with 2, before the fast tier was trimmed). With 4 the fast tier took as long as with 3 (333 s
+# both, 2026-11-28): the 2 cores are busy, so only less work makes it shorter.
 TEST_WORKERS ?= 3
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 
