@@ -142,7 +142,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             users["ours"] = _cluster_sh("status").returncode != 0
         start = _cluster_sh("start", timeout=900)  # a no-op when it is up
         if start.returncode == 0:
-            users["sessions"].append(_me())
+            users["sessions"].append(os.getpid())
     if start.returncode != 0:
         last = start.stderr.strip().splitlines()[-1:] or [f"exit code {start.returncode}"]
         unavailable(f"cluster.sh start: {re.sub(r'^cluster.sh [0-9:]+: ', '', last[0])}", start.stderr)
@@ -157,15 +157,14 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     yield SlurmCluster(env=env, state_dir=Path(env["SLURM_CONF"]).parent.parent)
 
     with _users() as users:
-        users["sessions"] = [session for session in users["sessions"] if session != _me()]
+        users["sessions"].remove(os.getpid())
         if not users["sessions"] and users["ours"]:
             stop = _cluster_sh("stop", timeout=120)
             assert stop.returncode == 0, f"cluster.sh stop failed:\n{stop.stderr}"
 
 
 #: The sessions using the cluster: ``{"ours": started by a session (so the last one stops it),
-#: "sessions": [[process id, its start time], ...]}`` (the start time: a process id reused since by
-#: another process is not a session), beside the cluster's state directory (cluster.sh's default).
+#: "sessions": [process ids]}``, beside the cluster's state directory (cluster.sh's default).
 USERS = Path(os.environ.get("TRAINFSM_SLURM_DIR", "/tmp/trainfsm-slurm") + ".users.json")
 
 
@@ -179,22 +178,16 @@ def _users() -> Iterator[dict[str, Any]]:
             users = json.loads(USERS.read_text()) if USERS.exists() else {}
         except ValueError:
             users = {}
-        alive = [s for s in users.get("sessions", []) if isinstance(s, list) and _started(s[0]) == s[1:]]
-        users = {"ours": bool(users.get("ours")), "sessions": alive}
-        try:
-            yield users
-        finally:
-            USERS.write_text(json.dumps(users))
+        users = {"ours": bool(users.get("ours")), "sessions": [p for p in users.get("sessions", []) if _alive(p)]}
+        yield users
+        USERS.write_text(json.dumps(users))
 
 
-def _me() -> list[Any]:
-    return [os.getpid(), *_started(os.getpid())]
-
-
-def _started(pid: Any) -> list[int]:
-    """``[the process's start time]`` (clock ticks since boot, /proc/PID/stat field 22), ``[]`` if it is gone."""
+def _alive(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{int(pid)}/stat").read_text()
-    except (OSError, ValueError):
-        return []
-    return [int(stat.rsplit(")", 1)[1].split()[19])]
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
